@@ -1,0 +1,99 @@
+"""Command-line interface. `train_main` parses what launchers pass to engine/main.py; `main` is
+`python -m engine` with its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from engine.config import ConfigError, load_config
+from engine.config.reference import render_reference
+from engine.config.schema import SCHEMA
+from engine.hardware import detect_hardware
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override one config value, e.g. --set trainer.max_steps=50 (typed by the schema; repeatable)",
+    )
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engine/main.py", description="Train from one JSON config.")
+    parser.add_argument("--deepspeed_config", required=True, metavar="CONFIG", help="the engine config (JSON)")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; LOCAL_RANK wins")
+    parser.add_argument("--deepspeed", action="store_true", help="accepted for compatibility with DeepSpeed scripts")
+    _add_overrides(parser)
+    args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from engine.run import run
+
+    return run(args.deepspeed_config, args.overrides)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    hardware = detect_hardware(local_world_size=args.world_size)
+    try:
+        config = load_config(
+            args.config,
+            args.overrides,
+            world_size=args.world_size,
+            hardware=hardware,
+            check_hardware=not args.no_hardware_check,
+        )
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    doc = config.document
+    print(
+        f"{args.config}: valid for {args.world_size} rank(s): {config.model['family']} {config.model['preset']}, "
+        f"ZeRO-{config.zero_stage}, {config.precision}, data-parallel {config.dp_size}, "
+        f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
+        f"x {config.dp_size} = {doc['train_batch_size']}"
+    )
+    if args.print_resolved:
+        print(json.dumps(doc, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    validate = commands.add_parser("validate", help="check a config completely, without starting anything")
+    validate.add_argument("config")
+    validate.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    validate.add_argument(
+        "--no-hardware-check", action="store_true", help="skip checks against this machine (fp16/bf16 support)"
+    )
+    validate.add_argument("--print-resolved", action="store_true", help="print the config with every default and auto")
+    _add_overrides(validate)
+
+    train = commands.add_parser("train", help="train in this process (same as engine/main.py)")
+    train.add_argument("config")
+    _add_overrides(train)
+
+    commands.add_parser("schema", help="print the config's JSON Schema")
+    docs = commands.add_parser("docs", help="write the config reference generated from the schema")
+    docs.add_argument("--output", type=Path, default=Path("docs/config_reference.md"))
+
+    args = parser.parse_args(argv)
+    if args.command == "validate":
+        return _validate(args)
+    if args.command == "train":
+        return train_main(["--deepspeed_config", args.config, *(f"--set={item}" for item in args.overrides)])
+    if args.command == "schema":
+        print(json.dumps(SCHEMA, indent=2))
+        return 0
+    args.output.write_text(render_reference())
+    print(f"wrote {args.output}")
+    return 0

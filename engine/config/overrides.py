@@ -1,0 +1,81 @@
+"""`--set dotted.path=value` overrides, typed by the schema so that `--set trainer.max_steps=50`
+sets the integer 50 and `--set bf16.enabled=auto` the string "auto"."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from engine.config.errors import ConfigIssue
+from engine.config.validate import keys_at, schema_at, suggest
+
+
+def _accepted_types(schema: dict) -> list[str]:
+    if "anyOf" in schema:
+        return [kind for option in schema["anyOf"] for kind in _accepted_types(option)]
+    if "const" in schema:
+        return [f"const:{schema['const']}"]
+    if "enum" in schema:
+        return ["string"]
+    kind = schema.get("type", "string")
+    return kind if isinstance(kind, list) else [kind]
+
+
+def parse_value(text: str, schema: dict) -> Any:
+    """The value `text` stands for under `schema`; ValueError if no accepted type fits."""
+    kinds = _accepted_types(schema)
+    for kind in kinds:
+        if kind.startswith("const:") and text == kind[len("const:") :]:
+            return text
+        if kind == "null" and text == "null":
+            return None
+        if kind == "boolean" and text in ("true", "false"):
+            return text == "true"
+        if kind == "integer":
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        if kind == "number":
+            try:
+                return float(text)
+            except ValueError:
+                pass
+        if kind in ("array", "object"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                pass
+    if "string" in kinds:
+        return text
+    raise ValueError(f"expected {' or '.join(kinds)}")
+
+
+def apply_overrides(document: dict, assignments: Iterable[str]) -> list[ConfigIssue]:
+    """Apply each `path=value` to `document` in place; return the problems instead of raising."""
+    issues = []
+    for assignment in assignments:
+        path_text, sep, value_text = assignment.partition("=")
+        path = path_text.strip().split(".")
+        if not sep or not all(path):
+            issues.append(ConfigIssue(f"--set {assignment}", "expected dotted.path=value"))
+            continue
+        schema = schema_at(path, document)
+        if schema is None:
+            for depth in range(len(path)):
+                if schema_at(path[: depth + 1], document) is None:
+                    hint = suggest(path[depth], keys_at(path[:depth], document))
+                    issues.append(ConfigIssue(path_text, f"unknown key {path[depth]!r} in --set{hint}"))
+                    break
+            continue
+        try:
+            value = parse_value(value_text, schema)
+        except ValueError as error:
+            issues.append(ConfigIssue(path_text, f"--set value {value_text!r}: {error}"))
+            continue
+        target = document
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = value
+    return issues

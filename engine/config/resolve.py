@@ -1,0 +1,149 @@
+"""Turning a valid config into the one the engine runs: every `"auto"` replaced by a value, the
+batch triple solved, and the DeepSpeed part split out.
+
+HF-Trainer-style `"auto"` values are resolved from the engine's own settings here rather than
+passed through, so the resolved config written to the output directory says exactly what ran.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config.batch import solve_batch_triple
+from engine.config.rules import data_parallel_size
+from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
+from engine.hardware import Hardware
+from models import get_family
+
+# DeepSpeed's own values where the model does not suggest better ones.
+_REDUCE_BUCKET_DEFAULT = 500_000_000
+_PREFETCH_BUCKET_DEFAULT = 50_000_000
+_PERSISTENCE_THRESHOLD_DEFAULT = 100_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A validated, resolved config. Sections are plain JSON-serialisable dicts."""
+
+    document: dict[str, Any]
+    world_size: int
+    source: Path | None = field(default=None, compare=False)
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.document["model"]
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.document["data"]
+
+    @property
+    def trainer(self) -> dict[str, Any]:
+        return self.document["trainer"]
+
+    @property
+    def parallel(self) -> dict[str, Any]:
+        return self.document["parallel"]
+
+    @property
+    def dp_size(self) -> int:
+        return data_parallel_size(self.document, self.world_size)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.document["zero_optimization"]["stage"]
+
+    @property
+    def precision(self) -> str:
+        if self.document["bf16"]["enabled"]:
+            return "bf16"
+        return "fp16" if self.document["fp16"]["enabled"] else "fp32"
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed keys only, as `deepspeed.initialize(config=...)` takes them."""
+        return {key: copy.deepcopy(value) for key, value in self.document.items() if key in DEEPSPEED_PROPERTIES}
+
+    def with_vocab_size(self, vocab_size: int) -> EngineConfig:
+        """Settle `model.vocab_size: "auto"` once the tokenizer is known (it is built from the data)."""
+        if self.model.get("vocab_size", AUTO) != AUTO:
+            return self
+        document = copy.deepcopy(self.document)
+        document["model"]["vocab_size"] = vocab_size
+        return EngineConfig(document, self.world_size, self.source)
+
+
+def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | None = None) -> EngineConfig:
+    """Replace every "auto" in a valid, defaults-filled document (except the model's vocabulary
+    size, which waits for the tokenizer)."""
+    doc = copy.deepcopy(document)
+    _resolve_batch(doc, world_size)
+    _resolve_precision(doc, hardware)
+    _resolve_optimizer(doc, hardware)
+    _resolve_zero_buckets(doc)
+    if doc["gradient_clipping"] == AUTO:
+        doc["gradient_clipping"] = 1.0
+    architecture = get_family(doc["model"]["family"]).architecture(doc["model"])
+    if doc["data"]["seq_len"] == AUTO:
+        doc["data"]["seq_len"] = architecture.get("n_positions")
+    trainer = doc["trainer"]
+    if trainer["output_dir"] == AUTO:
+        trainer["output_dir"] = str(Path("runs") / (source.stem if source else "default"))
+    if trainer["threads_per_rank"] == AUTO:
+        trainer["threads_per_rank"] = max(1, hardware.cpu_count // max(1, hardware.local_world_size))
+    return EngineConfig(doc, world_size, source)
+
+
+def _resolve_batch(doc: dict, world_size: int) -> None:
+    def known(key: str) -> int | None:
+        return None if doc.get(key, AUTO) == AUTO else doc[key]
+
+    triple = solve_batch_triple(
+        known("train_batch_size"),
+        known("train_micro_batch_size_per_gpu"),
+        known("gradient_accumulation_steps"),
+        data_parallel_size(doc, world_size),
+    )
+    doc["train_batch_size"] = triple.train_batch_size
+    doc["train_micro_batch_size_per_gpu"] = triple.micro_batch_size
+    doc["gradient_accumulation_steps"] = triple.gradient_accumulation_steps
+
+
+def _resolve_precision(doc: dict, hardware: Hardware) -> None:
+    if doc["bf16"]["enabled"] == AUTO:
+        doc["bf16"]["enabled"] = hardware.device_type == "cuda" and hardware.bf16_supported
+    if doc["fp16"]["enabled"] == AUTO:
+        doc["fp16"]["enabled"] = (
+            hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
+        )
+
+
+def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
+    params = doc["optimizer"]["params"]
+    if params.get("torch_adam") == AUTO:
+        params["torch_adam"] = (
+            hardware.device_type == "cpu" and doc["zero_optimization"]["offload_optimizer"]["device"] == "none"
+        )
+    scheduler = doc.get("scheduler")
+    if not scheduler:
+        return
+    if scheduler["params"].get("warmup_max_lr") == AUTO:
+        scheduler["params"]["warmup_max_lr"] = params["lr"]
+    if scheduler["params"].get("total_num_steps") == AUTO:
+        scheduler["params"]["total_num_steps"] = doc["trainer"]["max_steps"]
+
+
+def _resolve_zero_buckets(doc: dict) -> None:
+    zero = doc["zero_optimization"]
+    model = doc["model"]
+    hidden = get_family(model["family"]).architecture(model).get("n_embd")
+    defaults = {
+        "reduce_bucket_size": hidden * hidden if hidden else _REDUCE_BUCKET_DEFAULT,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden) if hidden else _PREFETCH_BUCKET_DEFAULT,
+        "stage3_param_persistence_threshold": 10 * hidden if hidden else _PERSISTENCE_THRESHOLD_DEFAULT,
+    }
+    for key, value in defaults.items():
+        if zero[key] == AUTO:
+            zero[key] = value

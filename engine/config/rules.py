@@ -1,0 +1,193 @@
+"""Cross-field rules: everything the schema cannot say about one key alone.
+
+Each rule reads a schema-valid document with defaults filled in and yields the problems it
+finds, each naming the JSON path to change and how to change it. Together they catch, before
+any process starts, what DeepSpeed would otherwise assert at run time (or silently accept).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engine.config.batch import BatchError, solve_batch_triple
+from engine.config.errors import ConfigIssue
+from engine.config.schema import AUTO
+from engine.hardware import Hardware
+from models import get_family
+
+Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
+
+_NOT_YET = "values above 1 are not yet supported by this engine (pipeline and tensor parallelism land next)"
+
+
+def _known(value: Any) -> Any:
+    return None if value == AUTO else value
+
+
+def data_parallel_size(document: dict, world_size: int) -> int:
+    parallel = document["parallel"]
+    return world_size // (parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"])
+
+
+def check_parallel_layout(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    parallel = document["parallel"]
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if parallel[key] > 1:
+            yield ConfigIssue(f"parallel.{key}", f"{parallel[key]}: {_NOT_YET}; set it to 1")
+    model_ranks = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
+    if world_size % model_ranks:
+        yield ConfigIssue(
+            "parallel",
+            f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
+            f"{model_ranks}; launch a multiple of {model_ranks} processes",
+        )
+
+
+def check_batch(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    try:
+        solve_batch_triple(
+            _known(document.get("train_batch_size")),
+            _known(document.get("train_micro_batch_size_per_gpu")),
+            _known(document.get("gradient_accumulation_steps")),
+            max(1, data_parallel_size(document, world_size)),
+        )
+    except BatchError as error:
+        yield ConfigIssue(error.path, str(error))
+
+
+def check_precision(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    fp16, bf16 = document["fp16"]["enabled"], document["bf16"]["enabled"]
+    if fp16 is True and bf16 is True:
+        yield ConfigIssue("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
+    if fp16 is True and document["zero_optimization"]["stage"] == 0:
+        yield ConfigIssue(
+            "fp16.enabled",
+            "fp16 needs zero_optimization.stage >= 1 here: only ZeRO checkpoints keep the fp32 master weights "
+            "the export is made from; use stage 1 (no extra communication on one rank)",
+        )
+    if hardware is None:
+        return
+    if fp16 is True and not hardware.fp16_supported:
+        yield ConfigIssue("fp16.enabled", f"this {hardware.name} does not support fp16; use bf16 or fp32")
+    if bf16 is True and not hardware.bf16_supported:
+        yield ConfigIssue("bf16.enabled", f"this {hardware.name} does not support bf16; use fp16 or fp32")
+
+
+def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    zero = document["zero_optimization"]
+    stage = zero["stage"]
+    optimizer = document["optimizer"]
+    if zero["offload_param"]["device"] != "none" and stage != 3:
+        yield ConfigIssue(
+            "zero_optimization.offload_param.device",
+            f"parameter offload needs ZeRO stage 3 (stage is {stage}); set zero_optimization.stage to 3 "
+            'or offload_param.device to "none"',
+        )
+    if zero["offload_optimizer"]["device"] != "none":
+        if stage == 0:
+            yield ConfigIssue(
+                "zero_optimization.offload_optimizer.device",
+                'optimizer offload needs ZeRO stage 1, 2 or 3; raise zero_optimization.stage or set "none"',
+            )
+        if optimizer["type"] not in ("Adam", "AdamW"):
+            yield ConfigIssue(
+                "optimizer.type",
+                f"{optimizer['type']} cannot run under offload_optimizer (DeepSpeed's host optimizer is Adam); "
+                "use Adam or AdamW",
+            )
+        elif optimizer["params"].get("torch_adam") is True and document["zero_force_ds_cpu_optimizer"]:
+            yield ConfigIssue(
+                "optimizer.params.torch_adam",
+                "torch_adam under offload_optimizer is refused by DeepSpeed (zero_force_ds_cpu_optimizer); "
+                "drop torch_adam so DeepSpeedCPUAdam runs",
+            )
+    if optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
+        yield ConfigIssue(
+            "zero_allow_untested_optimizer",
+            "DeepSpeed runs SGD under ZeRO only with zero_allow_untested_optimizer: true; set it or use Adam/AdamW",
+        )
+
+
+def check_scheduler(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    scheduler = document.get("scheduler")
+    if not scheduler or "total_num_steps" not in scheduler["params"]:
+        return
+    total = scheduler["params"]["total_num_steps"]
+    total = document["trainer"]["max_steps"] if total == AUTO else total
+    warmup = scheduler["params"]["warmup_num_steps"]
+    if warmup > total:
+        yield ConfigIssue(
+            "scheduler.params.warmup_num_steps",
+            f"{warmup} warm-up steps exceed total_num_steps {total}; shorten the warm-up or lengthen the run",
+        )
+
+
+def check_model(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    model, data = document["model"], document["data"]
+    architecture = get_family(model["family"]).architecture(model)
+    if model["family"] == "gpt":
+        if architecture["n_embd"] % architecture["n_head"]:
+            yield ConfigIssue(
+                "model.n_head",
+                f"{architecture['n_head']} heads do not divide n_embd {architecture['n_embd']}; pick a head count "
+                "that divides the width",
+            )
+        seq_len = data.get("seq_len", AUTO)
+        if seq_len != AUTO and seq_len > architecture["n_positions"]:
+            yield ConfigIssue(
+                "data.seq_len",
+                f"{seq_len} is longer than model.n_positions {architecture['n_positions']}; shorten it or raise "
+                "n_positions",
+            )
+        vocab = architecture["vocab_size"]
+        if data["type"] == "text" and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
+            yield ConfigIssue(
+                "model.vocab_size", f"{vocab} is smaller than the byte tokenizer's 256 tokens; use 256 or \"auto\""
+            )
+    if model["init_from"] is not None and not os.path.exists(model["init_from"]):
+        yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
+
+
+_DATA_FOR_FAMILY = {"gpt": ("text", "synthetic"), "resnet": ("image", "synthetic")}
+
+
+def check_data(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    data, family = document["data"], document["model"]["family"]
+    if data["type"] not in _DATA_FOR_FAMILY[family]:
+        allowed = " or ".join(f'"{kind}"' for kind in _DATA_FOR_FAMILY[family])
+        yield ConfigIssue("data.type", f'"{data["type"]}" data cannot train a {family} model; use {allowed}')
+    if data["type"] == "image" and data["path"] is None:
+        yield ConfigIssue("data.path", "image data needs a path (an imagefolder or cifar-10-batches-py directory)")
+    paths = data["path"] if isinstance(data["path"], list) else [data["path"]]
+    for index, path in enumerate(paths):
+        if path is not None and data["type"] != "synthetic" and not os.path.exists(path):
+            where = "data.path" if not isinstance(data["path"], list) else f"data.path[{index}]"
+            yield ConfigIssue(where, f"{path!r} does not exist")
+    tokenizer = data["tokenizer"]
+    if data["type"] == "text" and tokenizer not in ("char", "byte") and not os.path.isdir(tokenizer):
+        yield ConfigIssue("data.tokenizer", f'{tokenizer!r} is neither "char", "byte" nor a tokenizer directory')
+
+
+def check_trainer(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    resume = document["trainer"]["resume"]
+    if isinstance(resume, str) and not os.path.isdir(resume):
+        yield ConfigIssue("trainer.resume", f"{resume!r} is not a checkpoint directory")
+
+
+RULES: tuple[Rule, ...] = (
+    check_parallel_layout,
+    check_batch,
+    check_precision,
+    check_zero,
+    check_scheduler,
+    check_model,
+    check_data,
+    check_trainer,
+)
+
+
+def rule_issues(document: dict, world_size: int, hardware: Hardware | None) -> list[ConfigIssue]:
+    """Every cross-field problem of a schema-valid, defaults-filled document."""
+    return [issue for rule in RULES for issue in rule(document, world_size, hardware)]

@@ -1,0 +1,453 @@
+"""The JSON Schema (Draft 2020-12) of an engine config: the one place where every key's type,
+range, default and description live.
+
+The document is assembled from small helpers so that each field reads as one line, but what
+leaves this module is plain JSON Schema: `python -m engine schema` prints it, the config
+reference in docs/ is generated from it, and validation runs it through `jsonschema`.
+
+DeepSpeed's keys sit at the top level exactly as DeepSpeed documents them, so an existing
+ds_config works as a base. Every default is written out here on purpose rather than inherited
+from DeepSpeed, whose defaults change between releases (0.19 turned `gradient_clipping` on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+AUTO = "auto"
+
+GPT_PRESETS = ["tiny", "124M", "350M", "774M", "1.5B"]
+RESNET_PRESETS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+
+
+def _field(json_type: str, description: str, default: Any = None, auto: bool = False, **constraints: Any) -> dict:
+    """One scalar field; `auto` admits the string "auto", resolved by engine.config.resolve."""
+    schema: dict[str, Any] = {"type": json_type, **constraints}
+    if auto:
+        schema = {"anyOf": [schema, {"const": AUTO}]}
+    schema["description"] = description
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _integer(description: str, default: Any = None, minimum: int | None = None, auto: bool = False, **kw: Any) -> dict:
+    if minimum is not None:
+        kw["minimum"] = minimum
+    return _field("integer", description, default, auto, **kw)
+
+
+def _number(description: str, default: Any = None, auto: bool = False, **kw: Any) -> dict:
+    return _field("number", description, default, auto, **kw)
+
+
+def _boolean(description: str, default: Any = None, auto: bool = False) -> dict:
+    return _field("boolean", description, default, auto)
+
+
+def _enum(choices: list[str], description: str, default: str | None = None) -> dict:
+    schema: dict[str, Any] = {"enum": choices, "description": description}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _object(description: str, properties: dict[str, dict], required: list[str] | None = None, **kw: Any) -> dict:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "description": description,
+        "properties": properties,
+        "additionalProperties": False,
+        **kw,
+    }
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _when(key: str, value: str, then: dict) -> dict:
+    return {"if": {"properties": {key: {"const": value}}, "required": [key]}, "then": then}
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed keys
+# ---------------------------------------------------------------------------------------------
+
+_BATCH = {
+    "train_batch_size": _integer(
+        "Samples per optimizer step over all data-parallel ranks. Must equal micro-batch x "
+        "gradient_accumulation_steps x data-parallel size; any one of the three may be left out or "
+        '"auto" and is solved from the other two, as DeepSpeed does.',
+        minimum=1,
+        auto=True,
+    ),
+    "train_micro_batch_size_per_gpu": _integer(
+        "Samples per forward/backward pass on one rank.", minimum=1, auto=True
+    ),
+    "gradient_accumulation_steps": _integer(
+        "Micro-batches accumulated before each optimizer step.", minimum=1, auto=True
+    ),
+}
+
+_ADAM_PARAMS = {
+    "lr": _number("Peak learning rate.", 3e-4, exclusiveMinimum=0),
+    "betas": {
+        "type": "array",
+        "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+        "minItems": 2,
+        "maxItems": 2,
+        "description": "Adam's (beta1, beta2).",
+        "default": [0.9, 0.999],
+    },
+    "eps": _number("Adam's epsilon.", 1e-8, exclusiveMinimum=0),
+    "weight_decay": _number("Decoupled (AdamW) or L2 (Adam with adam_w_mode false) weight decay.", 0.0, minimum=0),
+    "adam_w_mode": _boolean(
+        'DeepSpeed runs "Adam" as AdamW unless this is false; the default keeps that behaviour '
+        "explicit.",
+        True,
+    ),
+    "torch_adam": _boolean(
+        "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (same numbers). "
+        '"auto": true on CPU, where FusedAdam is a C++ op that takes minutes to build, false on GPU.',
+        AUTO,
+        auto=True,
+    ),
+}
+
+_SGD_PARAMS = {
+    "lr": _number("Learning rate.", 0.1, exclusiveMinimum=0),
+    "momentum": _number("Momentum factor.", 0.9, minimum=0),
+    "weight_decay": _number("L2 penalty.", 0.0, minimum=0),
+    "nesterov": _boolean("Nesterov momentum.", False),
+    "dampening": _number("Dampening for momentum.", 0.0, minimum=0),
+}
+
+_OPTIMIZER = _object(
+    "DeepSpeed optimizer section. Adam/AdamW run as DeepSpeed builds them (FusedAdam, torch Adam, or "
+    "DeepSpeedCPUAdam under offload_optimizer); SGD is torch.optim.SGD.",
+    {
+        "type": _enum(["Adam", "AdamW", "SGD"], "Optimizer name, spelled as DeepSpeed spells it.", "AdamW"),
+        "params": {"type": "object", "description": "Keyword arguments of the optimizer.", "default": {}},
+    },
+    allOf=[
+        _when("type", name, {"properties": {"params": _object(f"{name} parameters.", params)}})
+        for name, params in (("Adam", _ADAM_PARAMS), ("AdamW", _ADAM_PARAMS), ("SGD", _SGD_PARAMS))
+    ],
+    default={"type": "AdamW", "params": {}},
+)
+
+_WARMUP_COMMON = {
+    "warmup_num_steps": _integer("Steps of warm-up.", 1000, minimum=1),
+    "warmup_type": _enum(["log", "linear"], "Shape of the warm-up curve.", "log"),
+}
+_WARMUP_LR_PARAMS = {
+    "warmup_min_lr": _number("Learning rate at step 0.", 0.0, minimum=0),
+    "warmup_max_lr": _number('Learning rate after warm-up; "auto": optimizer.params.lr.', AUTO, auto=True, minimum=0),
+    **_WARMUP_COMMON,
+}
+_TOTAL_STEPS = _integer('Steps over which the schedule runs; "auto": trainer.max_steps.', AUTO, minimum=1, auto=True)
+
+_SCHEDULER = _object(
+    "DeepSpeed LR schedule, stepped once per optimizer step. Absent: constant learning rate.",
+    {
+        "type": _enum(["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], "Schedule name, as DeepSpeed spells it."),
+        "params": {"type": "object", "description": "Keyword arguments of the schedule.", "default": {}},
+    },
+    required=["type"],
+    allOf=[
+        _when("type", "WarmupLR", {"properties": {"params": _object("WarmupLR parameters.", _WARMUP_LR_PARAMS)}}),
+        _when(
+            "type",
+            "WarmupDecayLR",
+            {
+                "properties": {
+                    "params": _object(
+                        "WarmupDecayLR parameters.", {**_WARMUP_LR_PARAMS, "total_num_steps": _TOTAL_STEPS}
+                    )
+                }
+            },
+        ),
+        _when(
+            "type",
+            "WarmupCosineLR",
+            {
+                "properties": {
+                    "params": _object(
+                        "WarmupCosineLR parameters.",
+                        {
+                            **_WARMUP_COMMON,
+                            "total_num_steps": _TOTAL_STEPS,
+                            "warmup_min_ratio": _number("Start of warm-up as a fraction of lr.", 0.0, minimum=0),
+                            "cos_min_ratio": _number("End of the cosine as a fraction of lr.", 0.0001, minimum=0),
+                        },
+                    )
+                }
+            },
+        ),
+    ],
+)
+
+_FP16 = _object(
+    "Mixed precision with fp16 and a dynamic loss scale (only where the device supports fp16).",
+    {
+        "enabled": _boolean(
+            '"auto": on only where bf16 is unsupported and fp16 is (older GPUs).', False, auto=True
+        ),
+        "loss_scale": _number("0 for a dynamic loss scale, else a fixed scale.", 0.0, minimum=0),
+        "initial_scale_power": _integer("The dynamic scale starts at 2**this.", 16, minimum=0),
+        "loss_scale_window": _integer("Steps without overflow before the scale grows.", 1000, minimum=1),
+        "hysteresis": _integer("Overflows tolerated before the scale shrinks.", 2, minimum=1),
+        "min_loss_scale": _number("Floor of the dynamic scale.", 1.0, exclusiveMinimum=0),
+    },
+    default={},
+)
+
+_BF16 = _object(
+    "Mixed precision with bf16 weights and fp32 master weights.",
+    {"enabled": _boolean('"auto": on where the device supports bf16 (GPUs with it), off on CPU.', False, auto=True)},
+    default={},
+)
+
+_OFFLOAD_OPTIMIZER = _object(
+    "ZeRO-Offload of optimizer states (and the optimizer step) to host memory. ZeRO stage >= 1.",
+    {
+        "device": _enum(["none", "cpu"], "Where the optimizer states live.", "none"),
+        "pin_memory": _boolean("Page-locked host buffers (faster copies to a GPU).", False),
+    },
+    default={},
+)
+
+_OFFLOAD_PARAM = _object(
+    "ZeRO-Infinity offload of parameters to host memory. ZeRO stage 3 only.",
+    {
+        "device": _enum(["none", "cpu"], "Where the parameters live between uses.", "none"),
+        "pin_memory": _boolean("Page-locked host buffers (faster copies to a GPU).", False),
+    },
+    default={},
+)
+
+_ZERO = _object(
+    "ZeRO redundancy elimination: 1 partitions optimizer states, 2 also gradients, 3 also parameters.",
+    {
+        "stage": _integer("ZeRO stage, 0 (plain data parallelism) to 3.", 0, minimum=0, maximum=3),
+        "offload_optimizer": _OFFLOAD_OPTIMIZER,
+        "offload_param": _OFFLOAD_PARAM,
+        "overlap_comm": _boolean("Overlap gradient reduction with the backward pass.", False),
+        "contiguous_gradients": _boolean("Copy gradients into one contiguous buffer as they are produced.", True),
+        "reduce_scatter": _boolean("Reduce gradients with reduce-scatter instead of all-reduce.", True),
+        "allgather_partitions": _boolean("All-gather updated partitions instead of broadcasts.", True),
+        "reduce_bucket_size": _integer(
+            'Elements reduced at a time; "auto": hidden size squared (GPT), else 5e8.', AUTO, minimum=1, auto=True
+        ),
+        "allgather_bucket_size": _integer("Elements all-gathered at a time.", 500_000_000, minimum=1),
+        "round_robin_gradients": _boolean("Stage 1/2: spread gradient copies over ranks round-robin.", False),
+        "stage3_prefetch_bucket_size": _integer(
+            'Stage 3: elements prefetched ahead; "auto": 0.9 x hidden size squared (GPT), else 5e7.',
+            AUTO,
+            minimum=0,
+            auto=True,
+        ),
+        "stage3_param_persistence_threshold": _integer(
+            'Stage 3: parameters smaller than this stay unpartitioned; "auto": 10 x hidden size (GPT), else 1e5.',
+            AUTO,
+            minimum=0,
+            auto=True,
+        ),
+        "stage3_max_live_parameters": _integer("Stage 3: most elements resident before release.", 1_000_000_000, minimum=0),
+        "stage3_max_reuse_distance": _integer("Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0),
+        "stage3_gather_16bit_weights_on_model_save": _boolean(
+            "Stage 3: also write a consolidated 16-bit state dict on save.", False
+        ),
+        "sub_group_size": _integer("Stage 3: elements per optimizer sub-group.", 1_000_000_000, minimum=1),
+    },
+    default={},
+)
+
+DEEPSPEED_PROPERTIES: dict[str, dict] = {
+    **_BATCH,
+    "gradient_clipping": _number(
+        'Global gradient-norm clip; 0 disables. "auto": 1.0. Written explicitly because DeepSpeed 0.19 '
+        "changed its own default from off to 1.0.",
+        1.0,
+        auto=True,
+        minimum=0,
+    ),
+    "optimizer": _OPTIMIZER,
+    "scheduler": _SCHEDULER,
+    "fp16": _FP16,
+    "bf16": _BF16,
+    "zero_optimization": _ZERO,
+    "zero_allow_untested_optimizer": _boolean("Let ZeRO run optimizers DeepSpeed has not tested (SGD).", False),
+    "zero_force_ds_cpu_optimizer": _boolean(
+        "Under offload_optimizer, insist on DeepSpeedCPUAdam (the fast host optimizer).", True
+    ),
+    "steps_per_print": _integer(
+        "DeepSpeed's own progress lines; the engine logs on its own, so this is rare by default.", 1000, minimum=1
+    ),
+    "wall_clock_breakdown": _boolean("DeepSpeed's forward/backward/step timers in its logs.", False),
+}
+
+# ---------------------------------------------------------------------------------------------
+# The engine's own sections
+# ---------------------------------------------------------------------------------------------
+
+_MODEL_COMMON = {
+    "family": _enum(["gpt", "resnet"], "Model family; selects the registry entry in models/."),
+    "activation_checkpointing": _boolean(
+        "Recompute activations in the backward pass (per transformer block / residual block).", False
+    ),
+    "init_from": {
+        "type": ["string", "null"],
+        "description": "Local directory of weights to start from (an HF checkpoint for GPT, an engine export).",
+        "default": None,
+    },
+}
+
+_GPT_MODEL = {
+    **_MODEL_COMMON,
+    "preset": _enum(GPT_PRESETS, "GPT-2 size; explicit fields below override it."),
+    "n_layer": _integer("Transformer blocks (overrides the preset).", minimum=1),
+    "n_head": _integer("Attention heads; must divide n_embd (overrides the preset).", minimum=1),
+    "n_embd": _integer("Model width (overrides the preset).", minimum=1),
+    "n_positions": _integer("Longest sequence the position table covers (overrides the preset).", minimum=1),
+    "vocab_size": _integer(
+        'Vocabulary size (overrides the preset); "auto": the tokenizer\'s vocabulary size.', minimum=1, auto=True
+    ),
+    "dropout": _number("Dropout on embeddings, attention and residuals.", 0.0, minimum=0, exclusiveMaximum=1),
+    "attn_implementation": _enum(["sdpa", "eager"], "Attention kernel used by transformers.", "sdpa"),
+}
+
+_RESNET_MODEL = {
+    **_MODEL_COMMON,
+    "preset": _enum(RESNET_PRESETS, "ResNet depth."),
+    "num_classes": _integer("Classifier outputs.", 1000, minimum=2),
+    "implementation": _enum(
+        ["auto", "torchvision", "transformers"],
+        '"auto": torchvision where it imports, transformers\' ResNet otherwise (same architecture).',
+        "auto",
+    ),
+}
+
+_MODEL = {
+    "type": "object",
+    "description": "What to train. Fields depend on the family.",
+    "properties": {
+        "family": _MODEL_COMMON["family"],
+        "preset": {"type": "string", "description": "Size preset of the family."},
+    },
+    "required": ["family", "preset"],
+    "allOf": [
+        _when("family", "gpt", {"properties": _GPT_MODEL, "additionalProperties": False}),
+        _when("family", "resnet", {"properties": _RESNET_MODEL, "additionalProperties": False}),
+    ],
+}
+
+_DATA = _object(
+    "What to train on. Sharded by data-parallel rank; every rank reads disjoint samples.",
+    {
+        "type": _enum(["text", "image", "synthetic"], "text for GPT, image for ResNet, synthetic for either."),
+        "path": {
+            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}],
+            "description": "text: .txt/.json/.jsonl/.parquet file(s) or a save_to_disk directory; null: the "
+            "embedded default corpus. image: an imagefolder directory or a cifar-10-batches-py directory.",
+            "default": None,
+        },
+        "tokenizer": {
+            "type": "string",
+            "description": '"char", "byte", or a local Hugging Face tokenizer directory.',
+            "default": "char",
+        },
+        "text_field": {"type": "string", "description": "Column holding the text in json/parquet data.", "default": "text"},
+        "seq_len": _integer('Tokens per sample; "auto": the model\'s n_positions.', AUTO, minimum=2, auto=True),
+        "validation_fraction": _number(
+            "Share held out for validation when the data has no validation split.", 0.1, exclusiveMinimum=0, maximum=0.5
+        ),
+        "image_size": _integer("Side of the square images fed to the model.", 32, minimum=8),
+        "augment": _boolean("Random crop and horizontal flip for training images.", True),
+        "mean": {
+            "type": "array",
+            "items": {"type": "number"},
+            "minItems": 3,
+            "maxItems": 3,
+            "description": "Per-channel normalisation mean.",
+            "default": [0.485, 0.456, 0.406],
+        },
+        "std": {
+            "type": "array",
+            "items": {"type": "number", "exclusiveMinimum": 0},
+            "minItems": 3,
+            "maxItems": 3,
+            "description": "Per-channel normalisation standard deviation.",
+            "default": [0.229, 0.224, 0.225],
+        },
+        "num_samples": _integer("Synthetic data: number of samples.", 1024, minimum=1),
+        "num_workers": _integer(
+            "DataLoader worker processes per rank; 0 loads in the training process (no extra cores on CPU).",
+            0,
+            minimum=0,
+        ),
+    },
+    required=["type"],
+)
+
+_TRAINER = _object(
+    "The training loop.",
+    {
+        "max_steps": _integer("Optimizer steps to run.", 1000, minimum=1),
+        "seed": _integer("Seeds model initialisation, data order and augmentation.", 1234, minimum=0),
+        "output_dir": {
+            "type": "string",
+            "description": 'Where metrics, checkpoints, the resolved config and the export go; "auto": '
+            "runs/<config file name>.",
+            "default": AUTO,
+        },
+        "log_interval": _integer("Steps between logged metrics.", 10, minimum=1),
+        "eval_interval": _integer("Steps between evaluations; 0: evaluate only at the end.", 0, minimum=0),
+        "eval_batches": _integer("Micro-batches per rank in one evaluation.", 8, minimum=1),
+        "save_interval": _integer("Steps between checkpoints; 0: only at the end.", 0, minimum=0),
+        "resume": {
+            "anyOf": [{"type": "boolean"}, {"type": "string"}],
+            "description": "true: continue from the latest checkpoint in output_dir (an error if none); a "
+            "path: continue from that checkpoint directory; false: start fresh.",
+            "default": False,
+        },
+        "export": _boolean("Write consolidated fp32 weights to <output_dir>/export at the end.", True),
+        "sample_tokens": _integer("GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0),
+        "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
+        "threads_per_rank": _integer(
+            'CPU threads per rank; "auto": OMP_NUM_THREADS when set, else cores / local ranks.',
+            AUTO,
+            minimum=1,
+            auto=True,
+        ),
+    },
+    default={},
+)
+
+_PARALLEL = _object(
+    "Model parallelism. Data-parallel size = world size / (tensor x pipeline).",
+    {
+        "tensor_parallel_size": _integer("Ranks that split each layer.", 1, minimum=1),
+        "pipeline_parallel_size": _integer("Pipeline stages.", 1, minimum=1),
+    },
+    default={},
+)
+
+ENGINE_SECTIONS = ("model", "data", "trainer", "parallel")
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://github.com/dsengine/engine/config.schema.json",
+    "title": "Engine config",
+    "description": "One JSON file: DeepSpeed's keys at the top level, the engine's in model, data, trainer, parallel.",
+    "type": "object",
+    "properties": {
+        **DEEPSPEED_PROPERTIES,
+        "model": _MODEL,
+        "data": _DATA,
+        "trainer": _TRAINER,
+        "parallel": _PARALLEL,
+    },
+    "required": ["model", "data"],
+    "additionalProperties": False,
+}

@@ -1,0 +1,125 @@
+"""Schema validation with messages a user can act on, and default filling.
+
+jsonschema finds the errors; this module rewrites them into `<json path>: <what to do>`, with a
+did-you-mean for unknown keys (DeepSpeed silently ignores `zero_optimisation`; we must not).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Iterator
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from engine.config.errors import ConfigIssue, json_path
+from engine.config.schema import SCHEMA
+
+_VALIDATOR = Draft202012Validator(SCHEMA)
+
+
+def suggest(word: str, choices: list[str]) -> str:
+    """' (did you mean "x"?)' when a choice is close to `word`, else ''."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def describe(schema: dict) -> str:
+    """A short phrase for what a schema accepts, e.g. 'an integer >= 1 or "auto"'."""
+    if "anyOf" in schema:
+        return " or ".join(describe(option) for option in schema["anyOf"])
+    if "const" in schema:
+        return f'"{schema["const"]}"'
+    if "enum" in schema:
+        return "one of " + ", ".join(f'"{choice}"' for choice in schema["enum"])
+    kind = schema.get("type", "value")
+    if isinstance(kind, list):
+        return " or ".join(kind)
+    words = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
+    text = words.get(kind, f"a {kind}")
+    bounds = [
+        (">=", schema.get("minimum")),
+        (">", schema.get("exclusiveMinimum")),
+        ("<=", schema.get("maximum")),
+        ("<", schema.get("exclusiveMaximum")),
+    ]
+    return text + "".join(f" {op} {value}" for op, value in bounds if value is not None)
+
+
+def _issues_for(error: ValidationError) -> Iterator[ConfigIssue]:
+    path = json_path(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        for key in sorted(set(error.instance) - set(allowed)):
+            where = json_path([*error.absolute_path, key])
+            yield ConfigIssue(where, f"unknown key{suggest(key, allowed)}; allowed here: {', '.join(allowed)}")
+    elif error.validator == "required":
+        missing = error.message.split("'")[1]
+        yield ConfigIssue(json_path([*error.absolute_path, missing]), "is required")
+    elif error.validator == "enum":
+        hint = suggest(str(error.instance), [str(choice) for choice in error.validator_value])
+        yield ConfigIssue(path, f"{error.instance!r} is not {describe(error.schema)}{hint}")
+    else:
+        yield ConfigIssue(path, f"expected {describe(error.schema)}, got {error.instance!r}")
+
+
+def schema_issues(document: Any) -> list[ConfigIssue]:
+    """Every schema violation in `document`, one issue per problem."""
+    return [issue for error in _VALIDATOR.iter_errors(document) for issue in _issues_for(error)]
+
+
+def fill_defaults(document: dict) -> dict:
+    """A copy of a schema-valid document with every default written in.
+
+    `if`/`then` branches apply when their condition holds, so family- and type-specific defaults
+    (GPT's dropout, AdamW's betas) land only where they belong.
+    """
+    filled = copy.deepcopy(document)
+    _fill(filled, SCHEMA)
+    return filled
+
+
+def _fill(instance: Any, schema: dict) -> None:
+    if not isinstance(instance, dict):
+        return
+    for key, subschema in schema.get("properties", {}).items():
+        if key not in instance and "default" in subschema:
+            instance[key] = copy.deepcopy(subschema["default"])
+        if key in instance:
+            _fill(instance[key], subschema)
+    for branch in schema.get("allOf", []):
+        if Draft202012Validator(branch["if"]).is_valid(instance):
+            _fill(instance, branch["then"])
+
+
+def schema_at(path: list[str], document: dict) -> dict | None:
+    """The schema of the key at `path`, following `if`/`then` branches that `document` selects
+    (or, where the document does not decide, any branch that knows the key)."""
+    schema: dict = SCHEMA
+    instance: Any = document
+    for key in path:
+        chosen: list[dict] = []
+        others: list[dict] = []
+        for branch in schema.get("allOf", []):
+            selected = isinstance(instance, dict) and Draft202012Validator(branch["if"]).is_valid(instance)
+            (chosen if selected else others).append(branch["then"].get("properties", {}))
+        candidates = [*chosen, *others, schema.get("properties", {})]
+        found = next((props[key] for props in candidates if key in props), None)
+        if found is None:
+            return None
+        schema = found
+        instance = instance.get(key) if isinstance(instance, dict) else None
+    return schema
+
+
+def keys_at(path: list[str], document: dict) -> list[str]:
+    """Keys allowed under `path` (for did-you-mean suggestions)."""
+    schema = SCHEMA if not path else schema_at(path, document)
+    if schema is None:
+        return []
+    keys = set(schema.get("properties", {}))
+    for branch in schema.get("allOf", []):
+        keys |= set(branch["then"].get("properties", {}))
+    return sorted(keys)

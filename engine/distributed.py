@@ -1,0 +1,81 @@
+"""Process-group set-up and the few collectives the loop needs.
+
+Rank facts come from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK), so they are known
+before any process group exists: validation and data loading run first, and a bad config ends
+every rank with the same message instead of a half-started job.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return env_rank() == 0
+
+
+def init_process_group(device_type: str, timeout_s: float = 600.0) -> torch.device:
+    """Start the process group the way DeepSpeed expects (NCCL on GPUs, gloo on CPU) and
+    return this rank's device. A single process without a launcher gets a world of one, so the
+    same code path runs with and without `deepspeed`."""
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if device_type == "cuda":
+        torch.cuda.set_device(env_local_rank())
+        device = torch.device("cuda", env_local_rank())
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device_type == "cuda" else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+        verbose=False,
+    )
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sum scalar tensors over all ranks in one collective (one host sync, not one per value)."""
+    keys = sorted(values)
+    stacked = torch.stack([values[key].detach().double().reshape(()) for key in keys])
+    if dist.is_initialized():
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""What the machine can do, read before any process group exists, so the config can be checked
+(fp16 support, thread counts) and `"auto"` values resolved without starting anything."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device_type: str  # "cuda" or "cpu"
+    bf16_supported: bool
+    fp16_supported: bool
+    cpu_count: int
+    local_world_size: int
+
+    @property
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.device_type == "cuda" else "CPU"
+
+
+def _cpu_fp16_supported() -> bool:
+    # DeepSpeed's CPU accelerator asks oneDNN the same question.
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def detect_hardware(local_world_size: int | None = None) -> Hardware:
+    """Facts about this machine; `local_world_size` defaults to the launcher's LOCAL_WORLD_SIZE."""
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.cuda.is_available():
+        return Hardware("cuda", torch.cuda.is_bf16_supported(), True, cpu_count, local_world_size)
+    # bf16 runs on any CPU but is emulated and slow on most; it is allowed, never chosen by "auto".
+    return Hardware("cpu", True, _cpu_fp16_supported(), cpu_count, local_world_size)

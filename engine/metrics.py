@@ -1,0 +1,52 @@
+"""What rank 0 shows and records: a progress bar and `metrics.jsonl`, one JSON object per
+logged step. Values reach here already reduced over ranks; this module never communicates."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress_bar: bool):
+        self.enabled = enabled
+        self._file = open(output_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self._bar = (
+            tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            if enabled and progress_bar
+            else None
+        )
+        self._last_step = start_step
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            self._bar.update(record["step"] - self._last_step)
+            self._bar.set_postfix({key: _short(value) for key, value in record.items() if key != "step"})
+        else:
+            print(" ".join(f"{key}={_short(value)}" for key, value in record.items()), flush=True)
+        self._last_step = record["step"]
+
+    def write(self, text: str) -> None:
+        """A line on rank 0's terminal that does not break the progress bar."""
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

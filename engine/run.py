@@ -1,0 +1,183 @@
+"""One training run from a config file, in the order that keeps failures cheap: validate the
+config, read the data, and only then start the process group and build the model."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
+from engine.backends import DeepSpeedBackend
+from engine.checkpoint import checkpoint_root, resume_target, step_tag
+from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
+from engine.distributed import (
+    barrier,
+    destroy_process_group,
+    env_rank,
+    env_world_size,
+    init_process_group,
+    is_main_process,
+)
+from engine.export import export_model, sample_text
+from engine.hardware import detect_hardware
+from engine.metrics import MetricsLogger
+from engine.train import LoopSettings, train
+from models import get_family
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RunError(Exception):
+    """A problem with the inputs of a run (not a bug): printed as one message, exit code 2."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_data(config: EngineConfig) -> DataBundle:
+    try:
+        return build_datasets(
+            config.data,
+            family=config.model["family"],
+            seed=config.trainer["seed"],
+            seq_len=config.data["seq_len"],
+            vocab_size=None if config.model.get("vocab_size", "auto") == "auto" else config.model["vocab_size"],
+            num_classes=config.model.get("num_classes"),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        raise RunError(f"data error: {error}") from None
+
+
+def settle_vocabulary(config: EngineConfig, bundle: DataBundle) -> EngineConfig:
+    """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it."""
+    if bundle.vocab_size is None:
+        return config
+    config = config.with_vocab_size(bundle.vocab_size)
+    if config.model["vocab_size"] < bundle.vocab_size:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "model.vocab_size",
+                    f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
+                    f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
+                )
+            ],
+            str(config.source),
+        )
+    return config
+
+
+def prepare(config_path: str, overrides: list[str]) -> tuple[EngineConfig, DataBundle]:
+    """Everything that can fail because of user input, done before any process group exists."""
+    hardware = detect_hardware()
+    config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
+    torch.set_num_threads(config.trainer["threads_per_rank"])
+    bundle = load_data(config)
+    config = settle_vocabulary(config, bundle)
+    try:
+        resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
+    except FileNotFoundError as error:
+        raise RunError(str(error)) from None
+    return config, bundle
+
+
+def run(config_path: str, overrides: list[str]) -> int:
+    try:
+        config, bundle = prepare(config_path, overrides)
+    except (ConfigError, RunError) as error:
+        if is_main_process():
+            print(error, file=sys.stderr)
+        return 2
+
+    trainer = config.trainer
+    output_dir = Path(trainer["output_dir"])
+    if is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
+
+    hardware = detect_hardware()
+    device = init_process_group(hardware.device_type)
+    family = get_family(config.model["family"])
+    seed_everything(trainer["seed"])
+    backend = DeepSpeedBackend(family.build(config.model), config.deepspeed_config(), device)
+
+    root = checkpoint_root(output_dir)
+    start_step = 0
+    target = resume_target(trainer["resume"], output_dir)
+    if target is not None:
+        start_step = int(backend.load(*target)["step"])
+
+    micro_batch = config.document["train_micro_batch_size_per_gpu"]
+    accumulation = config.document["gradient_accumulation_steps"]
+    batches = make_train_loader(
+        bundle.train,
+        micro_batch_size=micro_batch,
+        grad_accum=accumulation,
+        dp_rank=env_rank(),
+        dp_size=config.dp_size,
+        seed=trainer["seed"],
+        start_step=start_step,
+        num_workers=config.data["num_workers"],
+    )
+
+    def eval_batches():
+        return make_eval_loader(
+            bundle.validation,
+            micro_batch_size=micro_batch,
+            dp_rank=env_rank(),
+            dp_size=config.dp_size,
+            max_batches=trainer["eval_batches"],
+        )
+
+    is_gpt = config.model["family"] == "gpt"
+    settings = LoopSettings(
+        max_steps=trainer["max_steps"],
+        gradient_accumulation_steps=accumulation,
+        log_interval=trainer["log_interval"],
+        eval_interval=trainer["eval_interval"],
+        save_interval=trainer["save_interval"],
+        items_per_step=config.document["train_batch_size"] * (config.data["seq_len"] if is_gpt else 1),
+        throughput_key="tokens_per_s" if is_gpt else "images_per_s",
+        world_size=env_world_size(),
+    )
+    logger = MetricsLogger(
+        output_dir,
+        enabled=is_main_process(),
+        total_steps=settings.max_steps,
+        start_step=start_step,
+        progress_bar=trainer["progress_bar"],
+    )
+    logger.write(
+        f"training {config.model['family']} {config.model['preset']} on {env_world_size()} rank(s), "
+        f"ZeRO-{config.zero_stage}, {config.precision}, global batch {config.document['train_batch_size']}"
+        + (f", resuming at step {start_step}" if start_step else "")
+    )
+
+    def save(step: int) -> None:
+        backend.save(root, step_tag(step), {"step": step})
+
+    last_saved = train(
+        backend, family, batches, eval_batches, settings, logger, save, start_step, _DTYPES[config.precision]
+    )
+    if trainer["export"]:
+        barrier()
+        if is_main_process():
+            export_dir = output_dir / "export"
+            state = backend.consolidated_state_dict(root, step_tag(last_saved))
+            export_model(family, state, config.model, export_dir, bundle.tokenizer)
+            logger.write(f"exported consolidated fp32 weights to {export_dir}")
+            if trainer["sample_tokens"] and bundle.tokenizer is not None:
+                text = sample_text(family, export_dir, bundle.tokenizer, trainer["sample_tokens"], trainer["seed"])
+                logger.write("sample:\n" + text)
+        barrier()
+    logger.close()
+    destroy_process_group()
+    return 0

@@ -1,0 +1,99 @@
+"""The training loop: fetch a batch, forward, backward, step, log, evaluate, checkpoint.
+
+Everything below works on values that stay on the device; the loop touches the host only at
+log and eval points (one all-reduce each), so a GPU is never stalled by per-step `.item()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends import Backend
+from engine.distributed import all_reduce_sum
+from engine.metrics import MetricsLogger
+from models import ModelFamily
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    max_steps: int
+    gradient_accumulation_steps: int
+    log_interval: int
+    eval_interval: int
+    save_interval: int
+    items_per_step: int  # tokens (GPT) or images (ResNet) in one global batch
+    throughput_key: str  # "tokens_per_s" or "images_per_s"
+    world_size: int
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict:
+    """Move a batch; floating inputs take the model's dtype (DeepSpeed does not cast under bf16)."""
+    return {
+        key: value.to(device, dtype=dtype if value.is_floating_point() else None, non_blocking=True)
+        for key, value in batch.items()
+    }
+
+
+def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]], dtype) -> dict:
+    """Metrics over the validation batches of every rank (sums reduced, then averaged)."""
+    backend.train(False)
+    totals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for batch in batches:
+            for key, value in family.eval_sums(backend.model, to_device(batch, backend.device, dtype)).items():
+                totals[key] = totals.get(key, 0) + value.detach().double()
+    backend.train(True)
+    return {f"eval_{key}": value for key, value in family.summarize_eval(all_reduce_sum(totals)).items()}
+
+
+def train(
+    backend: Backend,
+    family: ModelFamily,
+    batches: Iterator[Mapping[str, torch.Tensor]],
+    eval_batches: Callable[[], Iterable[Mapping[str, torch.Tensor]]],
+    settings: LoopSettings,
+    logger: MetricsLogger,
+    save: Callable[[int], None],
+    start_step: int,
+    input_dtype: torch.dtype,
+) -> int:
+    """Run from `start_step` to `settings.max_steps`; returns the last step saved."""
+    step, saved = start_step, start_step
+    window_start, window_steps = time.perf_counter(), 0
+    backend.train(True)
+    while step < settings.max_steps:
+        lr = backend.learning_rate()
+        loss_sum = torch.zeros((), device=backend.device)
+        for _ in range(settings.gradient_accumulation_steps):
+            batch = to_device(next(batches), backend.device, input_dtype)
+            loss = family.compute_loss(backend.model, batch)
+            backend.backward(loss)
+            backend.step()
+            loss_sum += loss.detach().float()
+        step += 1
+        window_steps += 1
+
+        last = step == settings.max_steps
+        eval_due = last or (settings.eval_interval and step % settings.eval_interval == 0)
+        if last or eval_due or step % settings.log_interval == 0:
+            mean_loss = all_reduce_sum({"loss": loss_sum / settings.gradient_accumulation_steps})["loss"]
+            elapsed = time.perf_counter() - window_start
+            record = {
+                "step": step,
+                "loss": mean_loss / settings.world_size,
+                "lr": lr,
+                settings.throughput_key: settings.items_per_step * window_steps / elapsed,
+                "step_time_s": elapsed / window_steps,
+            }
+            if eval_due:
+                record.update(evaluate(backend, family, eval_batches(), input_dtype))
+            logger.log(record)
+            window_start, window_steps = time.perf_counter(), 0
+        if last or (settings.save_interval and step % settings.save_interval == 0):
+            save(step)
+            saved = step
+    return saved

@@ -1,0 +1,31 @@
+"""Packaging for the config-driven training engine.
+
+torch and deepspeed are installed by scripts/setup.sh before this file is used:
+deepspeed's own setup imports torch, so it must be built against the torch that is
+already present (a build-isolated install would pull a multi-GB CUDA torch).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="dsengine",
+    version="0.1.0",
+    description="One JSON config trains GPT and ResNet models under DeepSpeed or accelerate.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "data", "data.*"]),
+    package_data={"engine.config": ["*.json"], "data": ["corpus/*.txt"]},
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.19,<0.20",
+        "transformers>=4.45",
+        "datasets>=3.0",
+        "accelerate>=1.0",
+        "jsonschema>=4.18",
+        "safetensors>=0.4",
+        "tqdm>=4.60",
+        "numpy>=1.24",
+        "pillow>=9.0",
+    ],
+    extras_require={"dev": ["pytest>=8.0", "ruff>=0.6", "pre-commit>=3.0"]},
+    entry_points={"console_scripts": ["dsengine=engine.cli:main"]},
+)

@@ -1,0 +1,292 @@
+"""The config contract: every shipped config validates, and every rule and unknown key fails with
+the JSON path in the message, before anything starts."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.config.batch import BatchError, solve_batch_triple
+from engine.config.load import check_document
+from engine.config.overrides import apply_overrides
+from engine.config.reference import render_reference
+from engine.config.resolve import resolve
+from engine.config.validate import fill_defaults
+from engine.hardware import Hardware
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.json"))
+CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=2)
+GPU = Hardware("cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=8)
+
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "model": {"family": "gpt", "preset": "tiny", "n_embd": 32, "n_head": 2},
+    "data": {"type": "text"},
+}
+
+
+def fake_cifar(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+        with open(directory / name, "wb") as handle:
+            pickle.dump({b"data": [], b"labels": []}, handle)
+    return directory
+
+
+def issues_of(document: dict, world_size: int = 1, hardware: Hardware | None = CPU) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        check_document(document, world_size, hardware)
+    return [str(issue) for issue in caught.value.issues]
+
+
+def with_changes(**changes) -> dict:
+    document = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        target = document
+        *parents, last = dotted.split("__")
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[last] = value
+    return document
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("world_size,hardware", [(1, CPU), (8, GPU)], ids=["1cpu", "8gpu"])
+def test_shipped_config_validates(path: Path, world_size: int, hardware: Hardware, tmp_path: Path):
+    document = json.loads(path.read_text())
+    overrides = []
+    data_path = document["data"].get("path")
+    if data_path and not (ROOT / data_path).exists():
+        # Shipped configs name data the user provides; stand in an empty dataset of the right shape.
+        stand_in = fake_cifar(tmp_path / "cifar") if document["data"]["type"] == "image" else tmp_path / "x.txt"
+        stand_in.touch()
+        overrides.append(f"data.path={stand_in}")
+    config = load_config(path, overrides, world_size=world_size, hardware=hardware)
+    doc = config.document
+    assert doc["train_batch_size"] == (
+        doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * config.dp_size
+    )
+    assert "auto" not in json.dumps({k: v for k, v in doc.items() if k != "model"})
+
+
+def test_minimal_config_gets_explicit_defaults():
+    filled = fill_defaults(BASE)
+    assert filled["gradient_clipping"] == 1.0
+    assert filled["optimizer"]["type"] == "AdamW"
+    assert filled["optimizer"]["params"]["betas"] == [0.9, 0.999]
+    assert filled["optimizer"]["params"]["adam_w_mode"] is True
+    assert filled["zero_optimization"]["stage"] == 0
+    assert filled["model"]["dropout"] == 0.0
+    assert "num_classes" not in filled["model"]  # ResNet-only default stays out of a GPT config
+    assert filled["trainer"]["max_steps"] == 1000
+    assert filled["parallel"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+
+
+@pytest.mark.parametrize(
+    "document,expected",
+    [
+        ({**BASE, "zero_optimisation": {"stage": 2}}, 'zero_optimisation: unknown key (did you mean "zero_optimization"?)'),
+        (with_changes(zero_optimization__stag=2), 'zero_optimization.stag: unknown key (did you mean "stage"?)'),
+        (with_changes(trainer__max_step=3), 'trainer.max_step: unknown key (did you mean "max_steps"?)'),
+        (with_changes(model__n_heads=4), 'model.n_heads: unknown key (did you mean "n_head"?)'),
+        (with_changes(model__num_classes=4), "model.num_classes: unknown key"),
+        (with_changes(optimizer={"type": "AdamW", "params": {"momentum": 0.9}}), "optimizer.params.momentum: unknown key"),
+        (with_changes(optimizer={"type": "Adamw"}), "optimizer.type: 'Adamw' is not one of"),
+        (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
+        (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
+        (with_changes(train_micro_batch_size_per_gpu="two"), 'train_micro_batch_size_per_gpu: expected an integer >= 1 or "auto"'),
+        ({"model": BASE["model"]}, "data: is required"),
+    ],
+)
+def test_schema_errors_name_the_path(document: dict, expected: str):
+    assert any(issue.startswith(expected) for issue in issues_of(document)), issues_of(document)
+
+
+def test_every_schema_error_is_reported_at_once():
+    document = with_changes(trainer__max_step=3, zero_optimization__stage=7, model__n_heads=2)
+    messages = issues_of(document)
+    assert len(messages) == 3
+    assert [m.split(":")[0] for m in messages] == ["model.n_heads", "trainer.max_step", "zero_optimization.stage"]
+
+
+@pytest.mark.parametrize(
+    "document,world_size,expected",
+    [
+        (with_changes(train_batch_size=6), 2, "train_batch_size: 6 is not divisible by train_micro_batch_size_per_gpu 2 x data-parallel size 2"),
+        (with_changes(train_batch_size=8, gradient_accumulation_steps=3), 1, "train_batch_size: 8 != train_micro_batch_size_per_gpu 2"),
+        ({**with_changes(), "train_micro_batch_size_per_gpu": "auto"}, 1, "train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu"),
+        (with_changes(fp16={"enabled": True}, bf16={"enabled": True}, zero_optimization={"stage": 1}), 1, "fp16.enabled: fp16 and bf16 are both enabled"),
+        (with_changes(fp16={"enabled": True}, zero_optimization={"stage": 1}), 1, "fp16.enabled: this CPU does not support fp16"),
+        (with_changes(fp16={"enabled": True}), 1, "fp16.enabled: fp16 needs zero_optimization.stage >= 1"),
+        (with_changes(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), 1, "zero_optimization.offload_param.device: parameter offload needs ZeRO stage 3"),
+        (with_changes(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), 1, "zero_optimization.offload_optimizer.device: optimizer offload needs ZeRO stage 1, 2 or 3"),
+        (with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}, zero_allow_untested_optimizer=True), 1, "optimizer.type: SGD cannot run under offload_optimizer"),
+        (with_changes(optimizer={"type": "AdamW", "params": {"torch_adam": True}}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), 1, "optimizer.params.torch_adam: torch_adam under offload_optimizer"),
+        (with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 1}), 1, "zero_allow_untested_optimizer: DeepSpeed runs SGD under ZeRO only"),
+        (with_changes(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 10}}), 1, "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10"),
+        (with_changes(scheduler={"type": "WarmupCosineLR", "params": {"warmup_num_steps": 50}}, trainer={"max_steps": 10}), 1, "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10"),
+        (with_changes(model__n_head=3), 1, "model.n_head: 3 heads do not divide n_embd 32"),
+        (with_changes(data__seq_len=128), 1, "data.seq_len: 128 is longer than model.n_positions 64"),
+        (with_changes(data__tokenizer="byte", model__vocab_size=100), 1, "model.vocab_size: 100 is smaller than the byte tokenizer's 256"),
+        (with_changes(data__tokenizer="gpt2-tokenizer-dir"), 1, "data.tokenizer: 'gpt2-tokenizer-dir' is neither"),
+        (with_changes(data__path="no/such/corpus.txt"), 1, "data.path: 'no/such/corpus.txt' does not exist"),
+        (with_changes(data__path=["no/such/a.txt"]), 1, "data.path[0]: 'no/such/a.txt' does not exist"),
+        (with_changes(data__type="image"), 1, 'data.type: "image" data cannot train a gpt model'),
+        ({**with_changes(), "model": {"family": "resnet", "preset": "resnet18"}, "data": {"type": "image"}}, 1, "data.path: image data needs a path"),
+        (with_changes(model__init_from="no/such/checkpoint"), 1, "model.init_from: 'no/such/checkpoint' does not exist"),
+        (with_changes(trainer__resume="no/such/step5"), 1, "trainer.resume: 'no/such/step5' is not a checkpoint directory"),
+        (with_changes(parallel__tensor_parallel_size=2), 2, "parallel.tensor_parallel_size: 2: values above 1 are not yet supported"),
+        (with_changes(parallel__pipeline_parallel_size=2), 2, "parallel.pipeline_parallel_size: 2: values above 1 are not yet supported"),
+        (with_changes(parallel__pipeline_parallel_size=2), 3, "parallel: world size 3 is not divisible by"),
+    ],
+)
+def test_rules_name_the_path_and_the_fix(document: dict, world_size: int, expected: str):
+    messages = issues_of(document, world_size)
+    assert any(message.startswith(expected) for message in messages), messages
+
+
+def test_hardware_checks_can_be_skipped_for_another_machine():
+    document = with_changes(fp16={"enabled": True}, zero_optimization={"stage": 1})
+    assert check_document(document, 8, None)["fp16"]["enabled"] is True
+    assert check_document(document, 8, GPU)["fp16"]["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    "train,micro,accum,dp,expected",
+    [
+        (32, None, None, 4, (32, 8, 1)),
+        (None, 4, None, 2, (8, 4, 1)),
+        (None, 4, 3, 2, (24, 4, 3)),
+        (32, 2, None, 4, (32, 2, 4)),
+        (32, None, 2, 4, (32, 4, 2)),
+        (24, 4, 3, 2, (24, 4, 3)),
+    ],
+)
+def test_batch_triple_is_solved_like_deepspeed(train, micro, accum, dp, expected):
+    triple = solve_batch_triple(train, micro, accum, dp)
+    assert (triple.train_batch_size, triple.micro_batch_size, triple.gradient_accumulation_steps) == expected
+
+
+def test_batch_triple_refuses_what_cannot_be_met():
+    with pytest.raises(BatchError, match="use a multiple of 8"):
+        solve_batch_triple(30, None, 2, 4)
+
+
+def test_auto_values_are_resolved_from_engine_settings():
+    document = with_changes(
+        train_batch_size="auto",
+        gradient_accumulation_steps=2,
+        gradient_clipping="auto",
+        bf16={"enabled": "auto"},
+        scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}},
+        trainer={"max_steps": 77},
+        zero_optimization={"stage": 3},
+    )
+    on_cpu = resolve(check_document(document, 4, CPU), 4, CPU).document
+    assert on_cpu["train_batch_size"] == 2 * 2 * 4
+    assert on_cpu["gradient_clipping"] == 1.0
+    assert on_cpu["bf16"]["enabled"] is False
+    assert on_cpu["optimizer"]["params"]["torch_adam"] is True
+    assert on_cpu["scheduler"]["params"]["total_num_steps"] == 77
+    assert on_cpu["scheduler"]["params"]["warmup_max_lr"] == on_cpu["optimizer"]["params"]["lr"]
+    assert on_cpu["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    assert on_cpu["zero_optimization"]["stage3_param_persistence_threshold"] == 320
+    assert on_cpu["data"]["seq_len"] == 64
+    assert on_cpu["trainer"]["threads_per_rank"] == 1
+    on_gpu = resolve(check_document(document, 8, GPU), 8, GPU).document
+    assert on_gpu["bf16"]["enabled"] is True
+    assert on_gpu["optimizer"]["params"]["torch_adam"] is False
+
+
+def test_deepspeed_config_holds_only_deepspeed_keys():
+    config = resolve(check_document(copy.deepcopy(BASE), 1, CPU), 1, CPU)
+    ds = config.deepspeed_config()
+    assert not {"model", "data", "trainer", "parallel"} & set(ds)
+    assert ds["gradient_clipping"] == 1.0 and ds["train_batch_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "assignment,path,value",
+    [
+        ("trainer.max_steps=50", ("trainer", "max_steps"), 50),
+        ("gradient_clipping=0.5", ("gradient_clipping",), 0.5),
+        ("bf16.enabled=auto", ("bf16", "enabled"), "auto"),
+        ("bf16.enabled=true", ("bf16", "enabled"), True),
+        ("trainer.resume=true", ("trainer", "resume"), True),
+        ("trainer.resume=runs/x/checkpoints/step5", ("trainer", "resume"), "runs/x/checkpoints/step5"),
+        ("data.path=null", ("data", "path"), None),
+        ("optimizer.params.betas=[0.9, 0.95]", ("optimizer", "params", "betas"), [0.9, 0.95]),
+        ("model.n_layer=3", ("model", "n_layer"), 3),
+    ],
+)
+def test_overrides_are_typed_by_the_schema(assignment: str, path: tuple, value):
+    document = copy.deepcopy(BASE)
+    assert apply_overrides(document, [assignment]) == []
+    target = document
+    for key in path:
+        target = target[key]
+    assert target == value
+
+
+@pytest.mark.parametrize(
+    "assignment,expected",
+    [
+        ("trainer.max_step=5", "trainer.max_step: unknown key 'max_step' in --set (did you mean \"max_steps\"?)"),
+        ("zero_optimisation.stage=1", "zero_optimisation.stage: unknown key 'zero_optimisation'"),
+        ("trainer.max_steps=many", "trainer.max_steps: --set value 'many': expected integer"),
+        ("trainer.max_steps", "--set trainer.max_steps: expected dotted.path=value"),
+    ],
+)
+def test_bad_overrides_name_the_path(assignment: str, expected: str):
+    issues = apply_overrides(copy.deepcopy(BASE), [assignment])
+    assert [str(issue) for issue in issues][0].startswith(expected)
+
+
+def test_bad_files_are_named(tmp_path: Path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.json", world_size=1, hardware=CPU)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": {"family": "gpt",}}')
+    with pytest.raises(ConfigError, match=r"broken.json: invalid JSON at line 1"):
+        load_config(broken, world_size=1, hardware=CPU)
+
+
+def test_validate_command_reports_every_problem_and_exits_nonzero(tmp_path: Path):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps(with_changes(zero_optimisation={"stage": 2}, trainer__max_step=1)))
+    result = subprocess.run(
+        [sys.executable, "-m", "engine", "validate", str(config), "--world-size", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "(2 problems)" in result.stderr
+    assert 'zero_optimisation: unknown key (did you mean "zero_optimization"?)' in result.stderr
+    assert 'trainer.max_step: unknown key (did you mean "max_steps"?)' in result.stderr
+
+
+def test_validate_command_accepts_a_shipped_config_for_eight_ranks():
+    result = subprocess.run(
+        [sys.executable, "-m", "engine", "validate", "configs/zero3_offload.json", "--world-size", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ZeRO-3" in result.stdout and "x 8 = 64" in result.stdout
+
+
+def test_config_reference_is_generated_from_the_schema():
+    committed = (ROOT / "docs" / "config_reference.md").read_text()
+    assert committed == render_reference(), "docs/config_reference.md is stale: run `python -m engine docs`"
+    for key in ("zero_optimization.offload_param.device", "model.n_head", "trainer.resume", "data.seq_len"):
+        assert f"`{key}`" in committed
