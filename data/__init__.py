@@ -1,0 +1,135 @@
+"""Datasets and data-parallel loaders built from the `data` section of a run config."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from data.corpus import DEFAULT_CORPUS
+from data.image import load_image_datasets
+from data.loader import make_eval_loader, make_train_loader
+from data.sharding import global_batch_indices, micro_batch_indices
+from data.synthetic import SyntheticImages, SyntheticTokens
+from data.text import load_text_dataset
+from data.tokenizers import Tokenizer, load_saved_tokenizer
+
+__all__ = [
+    "DEFAULT_CORPUS",
+    "DataBundle",
+    "Tokenizer",
+    "build_datasets",
+    "global_batch_indices",
+    "load_saved_tokenizer",
+    "make_eval_loader",
+    "make_train_loader",
+    "micro_batch_indices",
+]
+
+DATA_TYPES_BY_FAMILY = {"gpt": ("text", "synthetic"), "resnet": ("image", "synthetic")}
+SYNTHETIC_VOCAB_SIZE = 256
+SYNTHETIC_NUM_CLASSES = 10
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    validation: Dataset
+    tokenizer: Tokenizer | None
+    """Text only; saved with checkpoints so generation can decode."""
+    vocab_size: int | None
+    """Text and synthetic tokens: the size the model's embedding must have."""
+    num_classes: int | None
+    """Images and synthetic images."""
+
+
+def build_datasets(
+    data_cfg: Mapping[str, Any],
+    *,
+    family: str,
+    seed: int,
+    seq_len: int | None,
+    vocab_size: int | None,
+    num_classes: int | None,
+) -> DataBundle:
+    """Build the training and validation datasets a validated `data` config section describes.
+
+    `family` is "gpt" (token blocks of `seq_len`) or "resnet" (images). `vocab_size` and
+    `num_classes` come from the model config and size synthetic data only; real data reports
+    its own.
+    """
+    data_type = data_cfg["type"]
+    allowed = DATA_TYPES_BY_FAMILY.get(family)
+    if allowed is None:
+        raise ValueError(
+            f"unknown model family {family!r}; expected one of {', '.join(DATA_TYPES_BY_FAMILY)}"
+        )
+    if data_type not in allowed:
+        raise ValueError(
+            f"data.type {data_type!r} does not suit model family {family!r}; use one of {allowed}"
+        )
+    if family == "gpt" and seq_len is None:
+        raise ValueError("a gpt model needs seq_len to cut token blocks")
+
+    if data_type == "text":
+        return _text_bundle(data_cfg, seq_len)
+    if data_type == "image":
+        return _image_bundle(data_cfg, seed)
+    return _synthetic_bundle(data_cfg, family, seed, seq_len, vocab_size, num_classes)
+
+
+def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
+    text = load_text_dataset(
+        data_cfg["path"],
+        seq_len=seq_len,
+        tokenizer=data_cfg["tokenizer"],
+        text_field=data_cfg["text_field"],
+        validation_fraction=data_cfg["validation_fraction"],
+    )
+    return DataBundle(text.train, text.validation, text.tokenizer, text.tokenizer.vocab_size, None)
+
+
+def _image_bundle(data_cfg: Mapping[str, Any], seed: int) -> DataBundle:
+    path = data_cfg["path"]
+    if isinstance(path, list | tuple):
+        if len(path) != 1:
+            raise ValueError(f"data.path for data.type 'image' must be one directory, got {len(path)} paths")
+        path = path[0]
+    if path is None:
+        raise ValueError("data.path is required for data.type 'image': an imagefolder or cifar-10-batches-py")
+    images = load_image_datasets(
+        path,
+        image_size=data_cfg["image_size"],
+        augment=data_cfg["augment"],
+        mean=data_cfg["mean"],
+        std=data_cfg["std"],
+        validation_fraction=data_cfg["validation_fraction"],
+        seed=seed,
+    )
+    return DataBundle(images.train, images.validation, None, None, images.num_classes)
+
+
+def _synthetic_bundle(
+    data_cfg: Mapping[str, Any],
+    family: str,
+    seed: int,
+    seq_len: int | None,
+    vocab_size: int | None,
+    num_classes: int | None,
+) -> DataBundle:
+    num_samples = data_cfg["num_samples"]
+    num_validation = max(1, int(num_samples * data_cfg["validation_fraction"]))
+    if family == "gpt":
+        vocab = SYNTHETIC_VOCAB_SIZE if vocab_size is None else vocab_size
+        train = SyntheticTokens(num_samples, seq_len=seq_len, vocab_size=vocab, seed=seed, split="train")
+        validation = SyntheticTokens(
+            num_validation, seq_len=seq_len, vocab_size=vocab, seed=seed, split="validation"
+        )
+        return DataBundle(train, validation, None, vocab, None)
+    classes = SYNTHETIC_NUM_CLASSES if num_classes is None else num_classes
+    image_size = data_cfg["image_size"]
+    train = SyntheticImages(num_samples, image_size=image_size, num_classes=classes, seed=seed, split="train")
+    validation = SyntheticImages(
+        num_validation, image_size=image_size, num_classes=classes, seed=seed, split="validation"
+    )
+    return DataBundle(train, validation, None, None, classes)

@@ -1,0 +1,6 @@
+"""The corpus shipped inside the package, so a first run needs no download and no data path."""
+
+from pathlib import Path
+
+DEFAULT_CORPUS: Path = Path(__file__).parent / "corpus" / "default.txt"
+"""Shakespeare's sonnets I-LV (public domain), about 34 KB of plain text."""

@@ -1,0 +1,92 @@
+"""Which samples each rank reads at each step: the arithmetic that makes data parallelism,
+gradient accumulation and resumption see the same data as one uninterrupted process.
+
+A run is a sequence of global batches. Epoch e is a permutation of the dataset drawn from
+(seed, e); it is cut into global batches of micro * accum * dp samples and the tail that does
+not fill one is dropped. Step s reads global batch s of the epochs laid end to end. Inside a
+global batch, micro-step k of rank r reads positions [(k*dp + r)*micro, (k*dp + r + 1)*micro),
+so walking k then r in one process visits exactly the micro-batches the ranks read.
+"""
+
+import torch
+
+from data.seeding import derive_seed
+
+
+def epoch_permutation(num_samples: int, epoch: int, seed: int) -> torch.Tensor:
+    """The sample order of one epoch: a fresh shuffle per epoch, the same one for every rank."""
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+    return torch.randperm(num_samples, generator=generator)
+
+
+def batches_per_epoch(num_samples: int, global_batch_size: int) -> int:
+    if global_batch_size < 1:
+        raise ValueError(f"the global batch size must be at least 1, got {global_batch_size}")
+    batches = num_samples // global_batch_size
+    if batches == 0:
+        raise ValueError(
+            f"a dataset of {num_samples} samples cannot fill one global batch of {global_batch_size} "
+            "(micro_batch_size * grad_accum * data-parallel size); use more data or a smaller batch"
+        )
+    return batches
+
+
+def global_batch_indices(num_samples: int, step: int, global_batch_size: int, seed: int) -> list[int]:
+    """The dataset indices of the global batch that step `step` of the run trains on."""
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    epoch, batch = divmod(step, batches_per_epoch(num_samples, global_batch_size))
+    start = batch * global_batch_size
+    return epoch_permutation(num_samples, epoch, seed)[start : start + global_batch_size].tolist()
+
+
+def micro_batch_slice(micro_step: int, *, micro_batch_size: int, dp_rank: int, dp_size: int) -> slice:
+    """Positions inside a global batch that rank `dp_rank` reads at micro-step `micro_step`."""
+    start = (micro_step * dp_size + dp_rank) * micro_batch_size
+    return slice(start, start + micro_batch_size)
+
+
+def micro_batch_indices(
+    num_samples: int,
+    step: int,
+    micro_step: int,
+    *,
+    micro_batch_size: int,
+    grad_accum: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+) -> list[int]:
+    """The dataset indices rank `dp_rank` reads at micro-step `micro_step` of step `step`."""
+    check_layout(micro_batch_size=micro_batch_size, grad_accum=grad_accum, dp_rank=dp_rank, dp_size=dp_size)
+    if not 0 <= micro_step < grad_accum:
+        raise ValueError(f"micro_step must be in [0, {grad_accum}), got {micro_step}")
+    global_batch = global_batch_indices(num_samples, step, micro_batch_size * grad_accum * dp_size, seed)
+    positions = micro_batch_slice(
+        micro_step, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
+    )
+    return global_batch[positions]
+
+
+def eval_batch_indices(
+    num_samples: int, batch: int, *, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[int]:
+    """Evaluation batch `batch` of rank `dp_rank`: the dataset in order, cycled when it runs out.
+
+    Cycling lets every rank run the same number of forwards however small the validation set,
+    which ZeRO-3 needs because each forward gathers parameters from all ranks.
+    """
+    if num_samples < 1:
+        raise ValueError("the evaluation dataset is empty")
+    start = (batch * dp_size + dp_rank) * micro_batch_size
+    return [(start + offset) % num_samples for offset in range(micro_batch_size)]
+
+
+def check_layout(*, micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int) -> None:
+    if micro_batch_size < 1 or grad_accum < 1 or dp_size < 1:
+        raise ValueError(
+            f"micro_batch_size ({micro_batch_size}), grad_accum ({grad_accum}) and dp_size ({dp_size}) "
+            "must all be at least 1"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")

@@ -1,0 +1,157 @@
+"""Tokenizers behind one small interface, so text loading never asks which kind it holds.
+
+"char" and "byte" need no files and no download, which keeps the quick run offline; any
+local Hugging Face tokenizer directory covers everything else.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+SIMPLE_TOKENIZER_FILE = "simple_tokenizer.json"
+"""Written by the char and byte tokenizers; a distinct name so it never shadows HF files."""
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id that separates documents in a packed stream; None when there is none."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def save(self, directory: Path) -> None: ...
+
+
+class CharTokenizer:
+    """One id per character of the training text, in sorted order (nanoGPT's shakespeare_char)."""
+
+    def __init__(self, vocab: Sequence[str]) -> None:
+        if len(set(vocab)) != len(vocab) or any(len(char) != 1 for char in vocab):
+            raise ValueError("a char tokenizer vocabulary must be distinct single characters")
+        self._chars = list(vocab)
+        self._ids = {char: i for i, char in enumerate(self._chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        if not text:
+            raise ValueError("the char tokenizer builds its vocabulary from text, and none was given")
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._chars)
+
+    @property
+    def eos_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._ids[char] for char in text]
+        except KeyError as error:
+            raise ValueError(
+                f"character {error.args[0]!r} is not in this char tokenizer's vocabulary of "
+                f"{self.vocab_size}; it was built from a different text"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self._chars[int(i)] for i in ids)
+
+    def save(self, directory: Path) -> None:
+        _write_simple_config(directory, {"type": "char", "vocab": self._chars})
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids: no vocabulary to build, and any text can be encoded."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    @property
+    def eos_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # A block boundary can cut a multi-byte character in two; show it rather than fail.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, directory: Path) -> None:
+        _write_simple_config(directory, {"type": "byte"})
+
+
+class HFTokenizer:
+    """A tokenizer saved by `save_pretrained`, read from local files only."""
+
+    def __init__(self, path: str | Path) -> None:
+        # transformers takes seconds to import; char and byte runs should not pay for it.
+        from transformers import AutoTokenizer
+
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"could not load a Hugging Face tokenizer from {path}: {error}") from error
+
+    @property
+    def vocab_size(self) -> int:
+        # len() counts added tokens too; `.vocab_size` does not, and the embedding must cover them.
+        return len(self._tokenizer)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        # Whole documents are encoded before packing, so the model's max length does not apply.
+        return self._tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+    def save(self, directory: Path) -> None:
+        self._tokenizer.save_pretrained(str(directory))
+
+
+def load_tokenizer(spec: str, training_text: str | None) -> Tokenizer:
+    """Build the tokenizer a config names: "char", "byte" or a local tokenizer directory."""
+    if spec == "char":
+        return CharTokenizer.from_text(training_text or "")
+    if spec == "byte":
+        return ByteTokenizer()
+    if Path(spec).is_dir():
+        return HFTokenizer(spec)
+    raise ValueError(
+        f"tokenizer {spec!r} is neither 'char', 'byte' nor an existing local tokenizer directory"
+    )
+
+
+def load_saved_tokenizer(directory: Path) -> Tokenizer:
+    """Read back what `Tokenizer.save` wrote, e.g. from a checkpoint for generation."""
+    directory = Path(directory)
+    config_path = directory / SIMPLE_TOKENIZER_FILE
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if config.get("type") == "char":
+            return CharTokenizer(config["vocab"])
+        if config.get("type") == "byte":
+            return ByteTokenizer()
+        raise ValueError(f"{config_path} names unknown tokenizer type {config.get('type')!r}")
+    if directory.is_dir():
+        return HFTokenizer(directory)
+    raise ValueError(f"no saved tokenizer at {directory}: the directory does not exist")
+
+
+def _write_simple_config(directory: Path, config: dict) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / SIMPLE_TOKENIZER_FILE).write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
