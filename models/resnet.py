@@ -1,0 +1,238 @@
+"""ResNet family: torchvision's ResNet where it imports, transformers' otherwise; one architecture either way.
+
+Both are used as their authors ship them. The two name their parameters differently, so an export
+records which one wrote it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+from transformers import ResNetConfig, ResNetForImageClassification
+
+from models.common import AUTO, check_state_dict, merge_preset, setting
+
+IMPLEMENTATIONS = ("torchvision", "transformers")
+WEIGHTS_FILE = "model.safetensors"
+METADATA_FILE = "export.json"
+
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "resnet18": {"block": "basic", "depths": (2, 2, 2, 2)},
+    "resnet34": {"block": "basic", "depths": (3, 4, 6, 3)},
+    "resnet50": {"block": "bottleneck", "depths": (3, 4, 6, 3)},
+    "resnet101": {"block": "bottleneck", "depths": (3, 4, 23, 3)},
+    "resnet152": {"block": "bottleneck", "depths": (3, 8, 36, 3)},
+}
+_STAGE_WIDTHS = (64, 128, 256, 512)
+_EXPANSION = {"basic": 1, "bottleneck": 4}  # a bottleneck block outputs four times its width
+
+
+@functools.cache
+def torchvision_available() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a wheel built for another torch or CUDA fails with RuntimeError or OSError
+        return False
+    return True
+
+
+def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The preset's blocks, the classifier width and the implementation, with "auto" settled here.
+
+    Settling "auto" once means build, export and the run's logs all name the same implementation.
+    """
+    implementation = setting(section, "implementation", AUTO)
+    if implementation == AUTO:
+        implementation = "torchvision" if torchvision_available() else "transformers"
+    return {
+        **merge_preset("resnet", PRESETS, section),
+        "num_classes": setting(section, "num_classes", 1000),
+        "implementation": implementation,
+    }
+
+
+def build(section: Mapping[str, Any]) -> nn.Module:
+    """A training-mode model; the caller seeds the RNG, so every rank initialises the same weights."""
+    arch = architecture(section)
+    model = build_module(arch)
+    init_from = section.get("init_from")
+    if init_from is not None:
+        _load_init_weights(model, arch, Path(init_from))
+    if section.get("activation_checkpointing", False):
+        apply_activation_checkpointing(model)
+    return model
+
+
+def build_module(arch: Mapping[str, Any]) -> nn.Module:
+    if arch["implementation"] == "torchvision":
+        return _torchvision_resnet(arch)
+    if arch["implementation"] == "transformers":
+        return _transformers_resnet(arch)
+    raise ValueError(
+        f"model.implementation {arch['implementation']!r} is unknown; choose one of: {AUTO}, "
+        + ", ".join(IMPLEMENTATIONS)
+    )
+
+
+def _torchvision_resnet(arch: Mapping[str, Any]) -> nn.Module:
+    if not torchvision_available():
+        raise ValueError(
+            'model.implementation is "torchvision", but torchvision does not import here; '
+            'use "auto" or "transformers" (same architecture)'
+        )
+    # Imported here: torchvision is optional, and this is the only place that needs it.
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
+
+    block = BasicBlock if arch["block"] == "basic" else Bottleneck
+    return ResNet(block, list(arch["depths"]), num_classes=arch["num_classes"])
+
+
+def _transformers_resnet(arch: Mapping[str, Any]) -> nn.Module:
+    """transformers' defaults already match torchvision's ResNet v1.5: stride in the 3x3
+    convolution, no downsampling in the first stage."""
+    expansion = _EXPANSION[arch["block"]]
+    config = ResNetConfig(
+        layer_type=arch["block"],
+        depths=list(arch["depths"]),
+        hidden_sizes=[width * expansion for width in _STAGE_WIDTHS],
+        num_labels=arch["num_classes"],
+    )
+    return ResNetForImageClassification(config)
+
+
+def residual_blocks(model: nn.Module) -> list[nn.Module]:
+    if isinstance(model, ResNetForImageClassification):
+        return [block for stage in model.resnet.encoder.stages for block in stage.layers]
+    return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each residual block in the backward pass instead of keeping its activations.
+
+    The block's `forward` is replaced on the instance rather than the block wrapped in another
+    module, so parameter names stay those of the plain model: DeepSpeed consolidates checkpoints
+    by name, and exports must load into an unwrapped model.
+    """
+    for block in residual_blocks(model):
+        block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(block: nn.Module, hidden_state: torch.Tensor) -> torch.Tensor:
+    return checkpoint(
+        type(block).forward,
+        block,
+        hidden_state,
+        use_reentrant=False,
+        context_fn=lambda: (nullcontext(), _running_stats_frozen(block)),
+    )
+
+
+@contextmanager
+def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """BatchNorm updated its running statistics in the original forward; the recomputation must not
+    update them again.
+
+    Momentum 0 keeps the statistics as they are while BatchNorm still receives them, so the
+    recomputation saves the same tensors for backward as the forward did (checkpoint matches them
+    by position). The step counter BatchNorm increments is put back afterwards.
+    """
+    norms = [norm for norm in module.modules() if isinstance(norm, _BatchNorm) and norm.track_running_stats]
+    saved = [(norm.momentum, norm.num_batches_tracked.clone()) for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, (momentum, num_batches_tracked) in zip(norms, saved, strict=True):
+            norm.momentum = momentum
+            norm.num_batches_tracked.copy_(num_batches_tracked)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """torchvision returns the logits; transformers wraps them in an output object."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def compute_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # Cross entropy in fp32: under bf16 the logits' rounding would show in the loss.
+    return F.cross_entropy(logits_of(model(batch["pixel_values"])).float(), batch["labels"])
+
+
+def eval_sums(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Summed loss, correct predictions and samples, so the means over every rank's batches are exact."""
+    logits = logits_of(model(batch["pixel_values"])).float()
+    labels = batch["labels"]
+    return {
+        "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+        "correct": (logits.argmax(dim=-1) == labels).sum().double(),
+        "samples": torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
+    }
+
+
+def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
+    return {"loss": sums["loss_sum"] / sums["samples"], "accuracy": sums["correct"] / sums["samples"]}
+
+
+def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
+    """`model.safetensors`, loadable by `load_state_dict` of the recorded implementation's ResNet,
+    and `export.json` naming that implementation, preset and classifier width."""
+    arch = architecture(section)
+    with torch.device("meta"):
+        expected = build_module(arch).state_dict()
+    check_state_dict(expected, state_dict)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {key: value.detach().cpu().contiguous() for key, value in state_dict.items()}, out_dir / WEIGHTS_FILE
+    )
+    metadata = {
+        "family": "resnet",
+        "preset": section["preset"],
+        "num_classes": arch["num_classes"],
+        "implementation": arch["implementation"],
+    }
+    (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def load_export(path: Path) -> nn.Module:
+    """The exported model, in eval mode as `from_pretrained` returns transformers models."""
+    model = build_module(architecture(_read_metadata(path)))
+    model.load_state_dict(load_file(path / WEIGHTS_FILE))
+    return model.eval()
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    metadata_path = path / METADATA_FILE
+    if not metadata_path.is_file():
+        raise ValueError(f"{path} is not a ResNet export: it has no {METADATA_FILE}")
+    metadata = json.loads(metadata_path.read_text())
+    if metadata.get("family") != "resnet":
+        raise ValueError(f"{path} holds a {metadata.get('family')!r} export, not a ResNet one")
+    return metadata
+
+
+def _load_init_weights(model: nn.Module, arch: Mapping[str, Any], path: Path) -> None:
+    """Start from an earlier export, refusing one whose architecture or implementation differs."""
+    saved = architecture(_read_metadata(path))
+    differences = [
+        f"{field} {saved[field]!r} (configured: {arch[field]!r})"
+        for field in arch
+        if saved[field] != arch[field]
+    ]
+    if differences:
+        raise ValueError(
+            f"model.init_from {path} has a different architecture: {', '.join(differences)}; "
+            "set the model section to match the export"
+        )
+    model.load_state_dict(load_file(path / WEIGHTS_FILE))
