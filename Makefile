@@ -10,6 +10,7 @@ quickstart: setup
 	./launch.sh configs/quickstart.json
 
 test: setup
+	ruff check .
 	$(PYTHON) -m pytest -q
 
 lint:

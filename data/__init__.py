@@ -61,13 +61,9 @@ def build_datasets(
     data_type = data_cfg["type"]
     allowed = DATA_TYPES_BY_FAMILY.get(family)
     if allowed is None:
-        raise ValueError(
-            f"unknown model family {family!r}; expected one of {', '.join(DATA_TYPES_BY_FAMILY)}"
-        )
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(DATA_TYPES_BY_FAMILY)}")
     if data_type not in allowed:
-        raise ValueError(
-            f"data.type {data_type!r} does not suit model family {family!r}; use one of {allowed}"
-        )
+        raise ValueError(f"data.type {data_type!r} does not suit model family {family!r}; use one of {allowed}")
     if family == "gpt" and seq_len is None:
         raise ValueError("a gpt model needs seq_len to cut token blocks")
 
@@ -122,9 +118,7 @@ def _synthetic_bundle(
     if family == "gpt":
         vocab = SYNTHETIC_VOCAB_SIZE if vocab_size is None else vocab_size
         train = SyntheticTokens(num_samples, seq_len=seq_len, vocab_size=vocab, seed=seed, split="train")
-        validation = SyntheticTokens(
-            num_validation, seq_len=seq_len, vocab_size=vocab, seed=seed, split="validation"
-        )
+        validation = SyntheticTokens(num_validation, seq_len=seq_len, vocab_size=vocab, seed=seed, split="validation")
         return DataBundle(train, validation, None, vocab, None)
     classes = SYNTHETIC_NUM_CLASSES if num_classes is None else num_classes
     image_size = data_cfg["image_size"]

@@ -64,9 +64,7 @@ class MicroBatchSampler(Sampler[list[int]]):
         seed: int,
         start_step: int = 0,
     ) -> None:
-        check_layout(
-            micro_batch_size=micro_batch_size, grad_accum=grad_accum, dp_rank=dp_rank, dp_size=dp_size
-        )
+        check_layout(micro_batch_size=micro_batch_size, grad_accum=grad_accum, dp_rank=dp_rank, dp_size=dp_size)
         if start_step < 0:
             raise ValueError(f"start_step must be non-negative, got {start_step}")
         self.num_samples, self.seed, self.start_step = num_samples, seed, start_step
@@ -150,9 +148,7 @@ def make_eval_loader(
     if max_batches < 1:
         raise ValueError(f"max_batches must be at least 1, got {max_batches}")
     batches = [
-        eval_batch_indices(
-            len(dataset), batch, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
-        )
+        eval_batch_indices(len(dataset), batch, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         for batch in range(max_batches)
     ]
     return DataLoader(

@@ -62,15 +62,11 @@ def micro_batch_indices(
     if not 0 <= micro_step < grad_accum:
         raise ValueError(f"micro_step must be in [0, {grad_accum}), got {micro_step}")
     global_batch = global_batch_indices(num_samples, step, micro_batch_size * grad_accum * dp_size, seed)
-    positions = micro_batch_slice(
-        micro_step, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
-    )
+    positions = micro_batch_slice(micro_step, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     return global_batch[positions]
 
 
-def eval_batch_indices(
-    num_samples: int, batch: int, *, micro_batch_size: int, dp_rank: int, dp_size: int
-) -> list[int]:
+def eval_batch_indices(num_samples: int, batch: int, *, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
     """Evaluation batch `batch` of rank `dp_rank`: the dataset in order, cycled when it runs out.
 
     Cycling lets every rank run the same number of forwards however small the validation set,

@@ -143,9 +143,7 @@ def _read_saved_dataset(directory: Path, text_field: str) -> tuple[list[str], li
     try:
         saved = datasets.load_from_disk(str(directory))
     except FileNotFoundError as error:
-        raise ValueError(
-            f"{directory} is a directory but not one written by datasets.save_to_disk"
-        ) from error
+        raise ValueError(f"{directory} is a directory but not one written by datasets.save_to_disk") from error
     if isinstance(saved, datasets.Dataset):
         return _text_column(saved, text_field, str(directory)), None
     if "train" not in saved:

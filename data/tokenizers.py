@@ -130,9 +130,7 @@ def load_tokenizer(spec: str, training_text: str | None) -> Tokenizer:
         return ByteTokenizer()
     if Path(spec).is_dir():
         return HFTokenizer(spec)
-    raise ValueError(
-        f"tokenizer {spec!r} is neither 'char', 'byte' nor an existing local tokenizer directory"
-    )
+    raise ValueError(f"tokenizer {spec!r} is neither 'char', 'byte' nor an existing local tokenizer directory")
 
 
 def load_saved_tokenizer(directory: Path) -> Tokenizer:

@@ -16,6 +16,7 @@ class Hardware:
     fp16_supported: bool
     cpu_count: int
     local_world_size: int
+    omp_num_threads: int | None = None
 
     @property
     def name(self) -> str:
@@ -31,11 +32,14 @@ def _cpu_fp16_supported() -> bool:
 
 
 def detect_hardware(local_world_size: int | None = None) -> Hardware:
-    """Facts about this machine; `local_world_size` defaults to the launcher's LOCAL_WORLD_SIZE."""
+    """Facts about this machine; `local_world_size` defaults to what the launcher says (torchrun's
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE)."""
     if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    omp = os.environ.get("OMP_NUM_THREADS")
+    omp_num_threads = int(omp) if omp and omp.isdigit() and int(omp) > 0 else None
     cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available():
-        return Hardware("cuda", torch.cuda.is_bf16_supported(), True, cpu_count, local_world_size)
+        return Hardware("cuda", torch.cuda.is_bf16_supported(), True, cpu_count, local_world_size, omp_num_threads)
     # bf16 runs on any CPU but is emulated and slow on most; it is allowed, never chosen by "auto".
-    return Hardware("cpu", True, _cpu_fp16_supported(), cpu_count, local_world_size)
+    return Hardware("cpu", True, _cpu_fp16_supported(), cpu_count, local_world_size, omp_num_threads)

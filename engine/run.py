@@ -135,6 +135,7 @@ def run(config_path: str, overrides: list[str]) -> int:
             dp_rank=env_rank(),
             dp_size=config.dp_size,
             max_batches=trainer["eval_batches"],
+            num_workers=config.data["num_workers"],
         )
 
     is_gpt = config.model["family"] == "gpt"

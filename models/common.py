@@ -10,9 +10,7 @@ import torch
 AUTO = "auto"
 
 
-def merge_preset(
-    family: str, presets: Mapping[str, Mapping[str, Any]], section: Mapping[str, Any]
-) -> dict[str, Any]:
+def merge_preset(family: str, presets: Mapping[str, Mapping[str, Any]], section: Mapping[str, Any]) -> dict[str, Any]:
     """The preset named by `section["preset"]`, with every field the section sets (not None) taking over.
 
     None counts as unset so that a config can spell out a key without pinning it.

@@ -193,9 +193,7 @@ def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], o
         expected = build_module(arch).state_dict()
     check_state_dict(expected, state_dict)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {key: value.detach().cpu().contiguous() for key, value in state_dict.items()}, out_dir / WEIGHTS_FILE
-    )
+    save_file({key: value.detach().cpu().contiguous() for key, value in state_dict.items()}, out_dir / WEIGHTS_FILE)
     metadata = {
         "family": "resnet",
         "preset": section["preset"],
@@ -226,9 +224,7 @@ def _load_init_weights(model: nn.Module, arch: Mapping[str, Any], path: Path) ->
     """Start from an earlier export, refusing one whose architecture or implementation differs."""
     saved = architecture(_read_metadata(path))
     differences = [
-        f"{field} {saved[field]!r} (configured: {arch[field]!r})"
-        for field in arch
-        if saved[field] != arch[field]
+        f"{field} {saved[field]!r} (configured: {arch[field]!r})" for field in arch if saved[field] != arch[field]
     ]
     if differences:
         raise ValueError(

@@ -93,16 +93,25 @@ def test_minimal_config_gets_explicit_defaults():
 @pytest.mark.parametrize(
     "document,expected",
     [
-        ({**BASE, "zero_optimisation": {"stage": 2}}, 'zero_optimisation: unknown key (did you mean "zero_optimization"?)'),
+        (
+            {**BASE, "zero_optimisation": {"stage": 2}},
+            'zero_optimisation: unknown key (did you mean "zero_optimization"?)',
+        ),
         (with_changes(zero_optimization__stag=2), 'zero_optimization.stag: unknown key (did you mean "stage"?)'),
         (with_changes(trainer__max_step=3), 'trainer.max_step: unknown key (did you mean "max_steps"?)'),
         (with_changes(model__n_heads=4), 'model.n_heads: unknown key (did you mean "n_head"?)'),
         (with_changes(model__num_classes=4), "model.num_classes: unknown key"),
-        (with_changes(optimizer={"type": "AdamW", "params": {"momentum": 0.9}}), "optimizer.params.momentum: unknown key"),
+        (
+            with_changes(optimizer={"type": "AdamW", "params": {"momentum": 0.9}}),
+            "optimizer.params.momentum: unknown key",
+        ),
         (with_changes(optimizer={"type": "Adamw"}), "optimizer.type: 'Adamw' is not one of"),
         (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
         (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
-        (with_changes(train_micro_batch_size_per_gpu="two"), 'train_micro_batch_size_per_gpu: expected an integer >= 1 or "auto"'),
+        (
+            with_changes(train_micro_batch_size_per_gpu="two"),
+            'train_micro_batch_size_per_gpu: expected an integer >= 1 or "auto"',
+        ),
         ({"model": BASE["model"]}, "data: is required"),
     ],
 )
@@ -120,31 +129,114 @@ def test_every_schema_error_is_reported_at_once():
 @pytest.mark.parametrize(
     "document,world_size,expected",
     [
-        (with_changes(train_batch_size=6), 2, "train_batch_size: 6 is not divisible by train_micro_batch_size_per_gpu 2 x data-parallel size 2"),
-        (with_changes(train_batch_size=8, gradient_accumulation_steps=3), 1, "train_batch_size: 8 != train_micro_batch_size_per_gpu 2"),
-        ({**with_changes(), "train_micro_batch_size_per_gpu": "auto"}, 1, "train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu"),
-        (with_changes(fp16={"enabled": True}, bf16={"enabled": True}, zero_optimization={"stage": 1}), 1, "fp16.enabled: fp16 and bf16 are both enabled"),
-        (with_changes(fp16={"enabled": True}, zero_optimization={"stage": 1}), 1, "fp16.enabled: this CPU does not support fp16"),
+        (
+            with_changes(train_batch_size=6),
+            2,
+            "train_batch_size: 6 is not divisible by train_micro_batch_size_per_gpu 2 x data-parallel size 2",
+        ),
+        (
+            with_changes(train_batch_size=8, gradient_accumulation_steps=3),
+            1,
+            "train_batch_size: 8 != train_micro_batch_size_per_gpu 2",
+        ),
+        (
+            {**with_changes(), "train_micro_batch_size_per_gpu": "auto"},
+            1,
+            "train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu",
+        ),
+        (
+            with_changes(fp16={"enabled": True}, bf16={"enabled": True}, zero_optimization={"stage": 1}),
+            1,
+            "fp16.enabled: fp16 and bf16 are both enabled",
+        ),
+        (
+            with_changes(fp16={"enabled": True}, zero_optimization={"stage": 1}),
+            1,
+            "fp16.enabled: this CPU does not support fp16",
+        ),
         (with_changes(fp16={"enabled": True}), 1, "fp16.enabled: fp16 needs zero_optimization.stage >= 1"),
-        (with_changes(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), 1, "zero_optimization.offload_param.device: parameter offload needs ZeRO stage 3"),
-        (with_changes(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), 1, "zero_optimization.offload_optimizer.device: optimizer offload needs ZeRO stage 1, 2 or 3"),
-        (with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}, zero_allow_untested_optimizer=True), 1, "optimizer.type: SGD cannot run under offload_optimizer"),
-        (with_changes(optimizer={"type": "AdamW", "params": {"torch_adam": True}}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), 1, "optimizer.params.torch_adam: torch_adam under offload_optimizer"),
-        (with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 1}), 1, "zero_allow_untested_optimizer: DeepSpeed runs SGD under ZeRO only"),
-        (with_changes(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 10}}), 1, "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10"),
-        (with_changes(scheduler={"type": "WarmupCosineLR", "params": {"warmup_num_steps": 50}}, trainer={"max_steps": 10}), 1, "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10"),
+        (
+            with_changes(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
+            1,
+            "zero_optimization.offload_param.device: parameter offload needs ZeRO stage 3",
+        ),
+        (
+            with_changes(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}),
+            1,
+            "zero_optimization.offload_optimizer.device: optimizer offload needs ZeRO stage 1, 2 or 3",
+        ),
+        (
+            with_changes(
+                optimizer={"type": "SGD"},
+                zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                zero_allow_untested_optimizer=True,
+            ),
+            1,
+            "optimizer.type: SGD cannot run under offload_optimizer",
+        ),
+        (
+            with_changes(
+                optimizer={"type": "AdamW", "params": {"torch_adam": True}},
+                zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            ),
+            1,
+            "optimizer.params.torch_adam: torch_adam under offload_optimizer",
+        ),
+        (
+            with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 1}),
+            1,
+            "zero_allow_untested_optimizer: DeepSpeed runs SGD under ZeRO only",
+        ),
+        (
+            with_changes(
+                scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 10}}
+            ),
+            1,
+            "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10",
+        ),
+        (
+            with_changes(
+                scheduler={"type": "WarmupCosineLR", "params": {"warmup_num_steps": 50}}, trainer={"max_steps": 10}
+            ),
+            1,
+            "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10",
+        ),
         (with_changes(model__n_head=3), 1, "model.n_head: 3 heads do not divide n_embd 32"),
         (with_changes(data__seq_len=128), 1, "data.seq_len: 128 is longer than model.n_positions 64"),
-        (with_changes(data__tokenizer="byte", model__vocab_size=100), 1, "model.vocab_size: 100 is smaller than the byte tokenizer's 256"),
+        (
+            with_changes(data__tokenizer="byte", model__vocab_size=100),
+            1,
+            "model.vocab_size: 100 is smaller than the byte tokenizer's 256",
+        ),
         (with_changes(data__tokenizer="gpt2-tokenizer-dir"), 1, "data.tokenizer: 'gpt2-tokenizer-dir' is neither"),
         (with_changes(data__path="no/such/corpus.txt"), 1, "data.path: 'no/such/corpus.txt' does not exist"),
         (with_changes(data__path=["no/such/a.txt"]), 1, "data.path[0]: 'no/such/a.txt' does not exist"),
         (with_changes(data__type="image"), 1, 'data.type: "image" data cannot train a gpt model'),
-        ({**with_changes(), "model": {"family": "resnet", "preset": "resnet18"}, "data": {"type": "image"}}, 1, "data.path: image data needs a path"),
-        (with_changes(model__init_from="no/such/checkpoint"), 1, "model.init_from: 'no/such/checkpoint' does not exist"),
-        (with_changes(trainer__resume="no/such/step5"), 1, "trainer.resume: 'no/such/step5' is not a checkpoint directory"),
-        (with_changes(parallel__tensor_parallel_size=2), 2, "parallel.tensor_parallel_size: 2: values above 1 are not yet supported"),
-        (with_changes(parallel__pipeline_parallel_size=2), 2, "parallel.pipeline_parallel_size: 2: values above 1 are not yet supported"),
+        (
+            {**with_changes(), "model": {"family": "resnet", "preset": "resnet18"}, "data": {"type": "image"}},
+            1,
+            "data.path: image data needs a path",
+        ),
+        (
+            with_changes(model__init_from="no/such/checkpoint"),
+            1,
+            "model.init_from: 'no/such/checkpoint' does not exist",
+        ),
+        (
+            with_changes(trainer__resume="no/such/step5"),
+            1,
+            "trainer.resume: 'no/such/step5' is not a checkpoint directory",
+        ),
+        (
+            with_changes(parallel__tensor_parallel_size=2),
+            2,
+            "parallel.tensor_parallel_size: 2: values above 1 are not yet supported",
+        ),
+        (
+            with_changes(parallel__pipeline_parallel_size=2),
+            2,
+            "parallel.pipeline_parallel_size: 2: values above 1 are not yet supported",
+        ),
         (with_changes(parallel__pipeline_parallel_size=2), 3, "parallel: world size 3 is not divisible by"),
     ],
 )

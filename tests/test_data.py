@@ -530,11 +530,7 @@ def test_augmented_image_is_a_padded_crop_possibly_flipped(cifar_dir):
     seen_flip = seen_shift = False
     for epoch in range(6):
         augmented = train.sample(0, epoch)["pixel_values"]
-        matches = [
-            key
-            for key, pixels in candidates.items()
-            if torch.allclose(normalize(pixels, MEAN, STD), augmented)
-        ]
+        matches = [key for key, pixels in candidates.items() if torch.allclose(normalize(pixels, MEAN, STD), augmented)]
         assert matches, "the augmented image is no padded crop of the original"
         seen_flip |= any(flip for _, _, flip in matches)
         seen_shift |= any((top, left) != (4, 4) for top, left, _ in matches)
@@ -608,9 +604,7 @@ def test_synthetic_images_have_image_shapes_and_labels():
     sample = dataset[2]
     assert sample["pixel_values"].shape == (3, 8, 8) and sample["pixel_values"].dtype == torch.float32
     assert sample["labels"].shape == () and 0 <= sample["labels"].item() < 3
-    torch.testing.assert_close(
-        dataset[2], SyntheticImages(10, image_size=8, num_classes=3, seed=0, split="train")[2]
-    )
+    torch.testing.assert_close(dataset[2], SyntheticImages(10, image_size=8, num_classes=3, seed=0, split="train")[2])
     assert {dataset[i]["labels"].item() for i in range(10)} == {0, 1, 2}
 
 

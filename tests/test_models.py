@@ -251,9 +251,7 @@ def test_gpt_activation_checkpointing_gives_identical_loss_and_gradients():
 def test_resnet_activation_checkpointing_gives_identical_loss_gradients_and_batchnorm_stats():
     plain = seeded_build(RESNET, SMALL_RESNET)
     checkpointed = seeded_build(RESNET, {**SMALL_RESNET, "activation_checkpointing": True})
-    assert [name for name, _ in plain.named_parameters()] == [
-        name for name, _ in checkpointed.named_parameters()
-    ]
+    assert [name for name, _ in plain.named_parameters()] == [name for name, _ in checkpointed.named_parameters()]
     assert plain.state_dict().keys() == checkpointed.state_dict().keys()
 
     # The first convolution of the first residual block runs twice per step only when recomputed.
@@ -321,9 +319,7 @@ def test_gpt_init_from_a_local_checkpoint_keeps_its_weights(tmp_path: Path):
     assert loaded.config._attn_implementation == "eager"
     input_ids = token_batch()["input_ids"]
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded.eval()(input_ids=input_ids).logits, model(input_ids=input_ids).logits
-        )
+        torch.testing.assert_close(loaded.eval()(input_ids=input_ids).logits, model(input_ids=input_ids).logits)
 
 
 def test_gpt_init_from_refuses_another_architecture(tmp_path: Path):
@@ -352,9 +348,7 @@ def test_resnet_export_loads_back_with_identical_logits(tmp_path: Path):
         "implementation": "transformers",
     }
     # The weights must load into transformers' own class, built without the engine.
-    config = ResNetConfig(
-        layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512], num_labels=10
-    )
+    config = ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512], num_labels=10)
     plain = ResNetForImageClassification(config)
     plain.load_state_dict(load_file(tmp_path / "model.safetensors"))
 

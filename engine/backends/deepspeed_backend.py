@@ -48,7 +48,9 @@ class DeepSpeedBackend(Backend):
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
         if self._zero_stage == 0 and not self._mixed_precision:
             # Plain data parallelism in fp32: every rank holds the whole fp32 model, saved as is.
-            states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            states = torch.load(
+                checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+            )
             return {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
         # Mixed precision or ZeRO: the fp32 master weights live in the optimizer partitions.
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)

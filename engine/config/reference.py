@@ -30,12 +30,15 @@ def _rows(prefix: str, schema: dict, condition: str = "") -> Iterator[tuple[str,
         default = json.dumps(sub["default"]) if "default" in sub else ""
         yield (path, describe(sub), default, sub.get("description", "") + condition)
     for branch in schema.get("allOf", []):
-        (field, want), = ((k, v["const"]) for k, v in branch["if"]["properties"].items())
+        ((field, want),) = ((k, v["const"]) for k, v in branch["if"]["properties"].items())
         seen = set(schema.get("properties", {}))
-        then = {**branch["then"], "properties": {
-            k: v for k, v in branch["then"].get("properties", {}).items() if k not in seen or k == "params"
-        }}
-        yield from _rows(prefix, then, f" *(when {field} is \"{want}\")*")
+        then = {
+            **branch["then"],
+            "properties": {
+                k: v for k, v in branch["then"].get("properties", {}).items() if k not in seen or k == "params"
+            },
+        }
+        yield from _rows(prefix, then, f' *(when {field} is "{want}")*')
 
 
 def render_reference() -> str:

@@ -92,7 +92,11 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     if trainer["output_dir"] == AUTO:
         trainer["output_dir"] = str(Path("runs") / (source.stem if source else "default"))
     if trainer["threads_per_rank"] == AUTO:
-        trainer["threads_per_rank"] = max(1, hardware.cpu_count // max(1, hardware.local_world_size))
+        # The deepspeed launcher does not set OMP_NUM_THREADS; without this every rank would
+        # start one thread per core and the ranks of a node would fight over them.
+        trainer["threads_per_rank"] = hardware.omp_num_threads or max(
+            1, hardware.cpu_count // max(1, hardware.local_world_size)
+        )
     return EngineConfig(doc, world_size, source)
 
 

@@ -144,7 +144,7 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
         vocab = architecture["vocab_size"]
         if data["type"] == "text" and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
             yield ConfigIssue(
-                "model.vocab_size", f"{vocab} is smaller than the byte tokenizer's 256 tokens; use 256 or \"auto\""
+                "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
             )
     if model["init_from"] is not None and not os.path.exists(model["init_from"]):
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")

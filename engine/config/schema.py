@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from models import get_family
+
 AUTO = "auto"
 
-GPT_PRESETS = ["tiny", "124M", "350M", "774M", "1.5B"]
-RESNET_PRESETS = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+GPT_PRESETS = list(get_family("gpt").presets)
+RESNET_PRESETS = list(get_family("resnet").presets)
 
 
 def _field(json_type: str, description: str, default: Any = None, auto: bool = False, **constraints: Any) -> dict:
@@ -81,9 +83,7 @@ _BATCH = {
         minimum=1,
         auto=True,
     ),
-    "train_micro_batch_size_per_gpu": _integer(
-        "Samples per forward/backward pass on one rank.", minimum=1, auto=True
-    ),
+    "train_micro_batch_size_per_gpu": _integer("Samples per forward/backward pass on one rank.", minimum=1, auto=True),
     "gradient_accumulation_steps": _integer(
         "Micro-batches accumulated before each optimizer step.", minimum=1, auto=True
     ),
@@ -102,8 +102,7 @@ _ADAM_PARAMS = {
     "eps": _number("Adam's epsilon.", 1e-8, exclusiveMinimum=0),
     "weight_decay": _number("Decoupled (AdamW) or L2 (Adam with adam_w_mode false) weight decay.", 0.0, minimum=0),
     "adam_w_mode": _boolean(
-        'DeepSpeed runs "Adam" as AdamW unless this is false; the default keeps that behaviour '
-        "explicit.",
+        'DeepSpeed runs "Adam" as AdamW unless this is false; the default keeps that behaviour explicit.',
         True,
     ),
     "torch_adam": _boolean(
@@ -190,9 +189,7 @@ _SCHEDULER = _object(
 _FP16 = _object(
     "Mixed precision with fp16 and a dynamic loss scale (only where the device supports fp16).",
     {
-        "enabled": _boolean(
-            '"auto": on only where bf16 is unsupported and fp16 is (older GPUs).', False, auto=True
-        ),
+        "enabled": _boolean('"auto": on only where bf16 is unsupported and fp16 is (older GPUs).', False, auto=True),
         "loss_scale": _number("0 for a dynamic loss scale, else a fixed scale.", 0.0, minimum=0),
         "initial_scale_power": _integer("The dynamic scale starts at 2**this.", 16, minimum=0),
         "loss_scale_window": _integer("Steps without overflow before the scale grows.", 1000, minimum=1),
@@ -253,8 +250,12 @@ _ZERO = _object(
             minimum=0,
             auto=True,
         ),
-        "stage3_max_live_parameters": _integer("Stage 3: most elements resident before release.", 1_000_000_000, minimum=0),
-        "stage3_max_reuse_distance": _integer("Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0),
+        "stage3_max_live_parameters": _integer(
+            "Stage 3: most elements resident before release.", 1_000_000_000, minimum=0
+        ),
+        "stage3_max_reuse_distance": _integer(
+            "Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0
+        ),
         "stage3_gather_16bit_weights_on_model_save": _boolean(
             "Stage 3: also write a consolidated 16-bit state dict on save.", False
         ),
@@ -347,7 +348,11 @@ _DATA = _object(
     {
         "type": _enum(["text", "image", "synthetic"], "text for GPT, image for ResNet, synthetic for either."),
         "path": {
-            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}],
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "null"},
+            ],
             "description": "text: .txt/.json/.jsonl/.parquet file(s) or a save_to_disk directory; null: the "
             "embedded default corpus. image: an imagefolder directory or a cifar-10-batches-py directory.",
             "default": None,
@@ -357,7 +362,11 @@ _DATA = _object(
             "description": '"char", "byte", or a local Hugging Face tokenizer directory.',
             "default": "char",
         },
-        "text_field": {"type": "string", "description": "Column holding the text in json/parquet data.", "default": "text"},
+        "text_field": {
+            "type": "string",
+            "description": "Column holding the text in json/parquet data.",
+            "default": "text",
+        },
         "seq_len": _integer('Tokens per sample; "auto": the model\'s n_positions.', AUTO, minimum=2, auto=True),
         "validation_fraction": _number(
             "Share held out for validation when the data has no validation split.", 0.1, exclusiveMinimum=0, maximum=0.5
@@ -412,7 +421,9 @@ _TRAINER = _object(
             "default": False,
         },
         "export": _boolean("Write consolidated fp32 weights to <output_dir>/export at the end.", True),
-        "sample_tokens": _integer("GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0),
+        "sample_tokens": _integer(
+            "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0
+        ),
         "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
         "threads_per_rank": _integer(
             'CPU threads per rank; "auto": OMP_NUM_THREADS when set, else cores / local ranks.',

@@ -1,0 +1,84 @@
+"""Launching the engine the way users do (the real `deepspeed` launcher, real processes) and
+reading back what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+# Generous: the first launch on a fresh machine builds DeepSpeed's C++ ops (shm comm ~80 s,
+# cpu_adam ~90 s) before it trains.
+LAUNCH_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    output_dir: Path
+    records: list[dict]
+
+    @property
+    def losses(self) -> list[float]:
+        return [record["loss"] for record in self.records]
+
+    def exported_state_dict(self) -> dict[str, torch.Tensor]:
+        return load_file(self.output_dir / "export" / "model.safetensors")
+
+
+def launch(config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2) -> Run:
+    """Train `config` with `nproc` processes under the deepspeed launcher; fail with its output."""
+    sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "engine/main.py",
+        "--deepspeed_config",
+        config,
+        *sets,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
+    return read_run(output_dir)
+
+
+def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> subprocess.CompletedProcess:
+    """One process, no launcher: `python engine/main.py ...`."""
+    sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
+    command = [sys.executable, "engine/main.py", "--deepspeed_config", config, *sets]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def read_run(output_dir: Path) -> Run:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return Run(output_dir, [json.loads(line) for line in lines])
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)

@@ -1,0 +1,89 @@
+"""The single-process reference every parallel mode is compared with: a plain PyTorch loop
+(torch optimizer, explicit accumulation and clipping) over exactly the micro-batches the
+ranks of a data-parallel run read, walked one after another in one process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from deepspeed.runtime import lr_schedules
+
+from data import make_train_loader
+from engine.config import EngineConfig, load_config
+from engine.hardware import detect_hardware
+from engine.run import load_data, seed_everything, settle_vocabulary
+from models import get_family
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ReferenceRun:
+    config: EngineConfig
+    losses: list[float]
+    model: torch.nn.Module
+
+
+def build_optimizer(section: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = dict(section["params"])
+    if section["type"] == "SGD":
+        return torch.optim.SGD(model.parameters(), **params)
+    # DeepSpeed treats "Adam" as AdamW unless adam_w_mode is false.
+    decoupled = section["type"] == "AdamW" or params.pop("adam_w_mode", True)
+    params.pop("adam_w_mode", None)
+    params.pop("torch_adam", None)
+    return (torch.optim.AdamW if decoupled else torch.optim.Adam)(model.parameters(), **params)
+
+
+def reference_run(config_path: str, overrides: dict[str, object], world_size: int) -> ReferenceRun:
+    from tests.support.launch import _text
+
+    config = load_config(
+        ROOT / config_path,
+        [f"{key}={_text(value)}" for key, value in overrides.items()],
+        world_size=world_size,
+        hardware=detect_hardware(local_world_size=world_size),
+    )
+    bundle = load_data(config)
+    config = settle_vocabulary(config, bundle)
+    doc, trainer = config.document, config.trainer
+    family = get_family(config.model["family"])
+    # Same per-rank thread count as the launched ranks, so CPU kernels reduce in the same order.
+    torch.set_num_threads(trainer["threads_per_rank"])
+    seed_everything(trainer["seed"])
+    model = family.build(config.model)
+    model.train()
+    optimizer = build_optimizer(doc["optimizer"], model)
+    scheduler = None
+    if doc.get("scheduler"):
+        scheduler = getattr(lr_schedules, doc["scheduler"]["type"])(optimizer, **doc["scheduler"]["params"])
+    accumulation, dp = doc["gradient_accumulation_steps"], config.dp_size
+    loaders = [
+        make_train_loader(
+            bundle.train,
+            micro_batch_size=doc["train_micro_batch_size_per_gpu"],
+            grad_accum=accumulation,
+            dp_rank=rank,
+            dp_size=dp,
+            seed=trainer["seed"],
+        )
+        for rank in range(dp)
+    ]
+    losses = []
+    for _ in range(trainer["max_steps"]):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(accumulation):
+            for loader in loaders:
+                loss = family.compute_loss(model, next(loader))
+                (loss / (accumulation * dp)).backward()
+                total += loss.item()
+        if doc["gradient_clipping"] > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), doc["gradient_clipping"])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total / (accumulation * dp))
+    return ReferenceRun(config, losses, model)

@@ -1,0 +1,149 @@
+"""End-to-end behaviour of a run: accumulation, exact resume, the export, what a run writes, and
+bad input stopping a run before any process group starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import GPT2LMHeadModel
+
+from data import load_saved_tokenizer
+from models import get_family
+from tests.support.launch import ROOT, free_port, launch, read_run, run_single
+from tests.support.reference import reference_run
+
+GPT = "configs/tiny_gpt.json"
+SCHEDULED = {
+    "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+    "zero_optimization.stage": 3,
+    "trainer.max_steps": 10,
+    "trainer.save_interval": 5,
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """Ten steps of ZeRO-3 with a warm-up/cosine schedule, checkpointed at step 5 and 10."""
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    launch(GPT, SCHEDULED, output_dir)
+    return output_dir
+
+
+@pytest.mark.launch
+def test_accumulation_2_x_micro_2_equals_micro_4(tmp_path: Path):
+    run = launch(
+        GPT,
+        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization.stage": 2},
+        tmp_path,
+    )
+    reference = reference_run(
+        GPT, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization.stage": 2}, 2
+    )
+    assert max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)) <= 1e-5
+
+
+@pytest.mark.launch
+def test_resume_continues_exactly(uninterrupted: Path, tmp_path: Path):
+    checkpoint = uninterrupted / "checkpoints" / "step00000005"
+    resumed = launch(GPT, {**SCHEDULED, "trainer.resume": str(checkpoint)}, tmp_path)
+    straight = read_run(uninterrupted)
+    assert [r["step"] for r in resumed.records] == list(range(6, 11))
+    assert resumed.losses == straight.losses[5:]
+    assert [r["lr"] for r in resumed.records] == [r["lr"] for r in straight.records[5:]]
+    final, expected = resumed.exported_state_dict(), straight.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+
+
+@pytest.mark.launch
+def test_export_loads_with_from_pretrained_and_gives_the_engine_logits(uninterrupted: Path):
+    resolved = json.loads((uninterrupted / "resolved_config.json").read_text())
+    engine_model = get_family("gpt").build(resolved["model"])
+    engine_state = get_fp32_state_dict_from_zero_checkpoint(str(uninterrupted / "checkpoints"), tag="step00000010")
+    engine_model.load_state_dict(engine_state, strict=False)
+    exported = GPT2LMHeadModel.from_pretrained(uninterrupted / "export")
+    tokens = torch.randint(0, resolved["model"]["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(tokens).logits, engine_model.eval()(tokens).logits, rtol=0, atol=0)
+    tokenizer = load_saved_tokenizer(uninterrupted / "export")
+    assert tokenizer.vocab_size == resolved["model"]["vocab_size"]
+    assert tokenizer.decode(tokenizer.encode("Shall I compare thee")) == "Shall I compare thee"
+
+
+@pytest.mark.launch
+def test_run_writes_metrics_and_resolved_config(uninterrupted: Path):
+    records = read_run(uninterrupted).records
+    assert [r["step"] for r in records] == list(range(1, 11))
+    for record in records:
+        assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= record.keys()
+        assert record["tokens_per_s"] > 0
+    assert {"eval_loss", "eval_perplexity"} <= records[-1].keys()
+    assert records[-1]["eval_perplexity"] == pytest.approx(torch.tensor(records[-1]["eval_loss"]).exp().item())
+    assert records[0]["lr"] < records[2]["lr"]  # warm-up
+    resolved = (uninterrupted / "resolved_config.json").read_text()
+    assert '"auto"' not in resolved
+    assert json.loads(resolved)["zero_optimization"]["stage"] == 3
+
+
+def test_single_process_without_launcher_trains(tmp_path: Path):
+    result = run_single(GPT, {"trainer.max_steps": 3, "trainer.sample_tokens": 20}, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sample:" in result.stdout + result.stderr
+    assert [r["step"] for r in read_run(tmp_path).records] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({"data.path": "EMPTY"}, "is empty"),
+        ({"trainer.resume": True}, "holds no checkpoint to resume from"),
+        ({"model.vocab_size": 10}, "model.vocab_size: 10 is smaller than the tokenizer's"),
+        ({"zero_optimization.stage": 5}, "zero_optimization.stage: expected an integer >= 0 <= 3, got 5"),
+    ],
+)
+def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str, tmp_path: Path):
+    if overrides.get("data.path") == "EMPTY":
+        empty = tmp_path / "empty.txt"
+        empty.touch()
+        overrides = {"data.path": str(empty)}
+    result = run_single(GPT, overrides, tmp_path / "run")
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "init_distributed" not in result.stdout + result.stderr
+
+
+@pytest.mark.launch
+def test_launch_script_runs_two_cpu_processes(tmp_path: Path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [
+            "./launch.sh",
+            "--nproc",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "configs/tiny_resnet.json",
+            "--set",
+            "trainer.max_steps=2",
+            "--set",
+            f"trainer.output_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "+ deepspeed --num_gpus 2" in result.stderr
+    assert "on 2 rank(s)" in result.stdout + result.stderr
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert [r["step"] for r in read_run(tmp_path).records] == [1, 2]
