@@ -26,19 +26,20 @@ def export_model(
 
 
 def sample_text(family: ModelFamily, export_dir: Path, tokenizer: Any, num_tokens: int, seed: int) -> str:
-    """A short continuation from the exported GPT, proving the export is usable on its own."""
+    """A short continuation from the exported GPT, proving the export is usable on its own.
+
+    Sampled nanoGPT-style with the context cropped to the position table, so the sample may be
+    longer than the model's context (transformers' `generate` would index past it).
+    """
     model = family.load_export(export_dir).eval()
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    prompt = torch.tensor([tokenizer.encode("\n")], dtype=torch.long)
+    context = model.config.n_positions
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([tokenizer.encode("\n")], dtype=torch.long)
     with torch.no_grad():
-        output = model.generate(
-            prompt,
-            max_new_tokens=num_tokens,
-            do_sample=True,
-            top_k=50,
-            pad_token_id=model.config.eos_token_id,
-            eos_token_id=None,
-        )
-    torch.random.set_rng_state(generator_state)
-    return tokenizer.decode(output[0].tolist())
+        for _ in range(num_tokens):
+            logits = model(tokens[:, -context:]).logits[:, -1, :]
+            top = torch.topk(logits, k=min(50, logits.size(-1)))
+            logits[logits < top.values[:, -1:]] = -float("inf")
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            tokens = torch.cat([tokens, next_token], dim=1)
+    return tokenizer.decode(tokens[0].tolist())
