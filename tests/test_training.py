@@ -147,3 +147,15 @@ def test_launch_script_runs_two_cpu_processes(tmp_path: Path):
     assert "on 2 rank(s)" in result.stdout + result.stderr
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert [r["step"] for r in read_run(tmp_path).records] == [1, 2]
+
+
+def test_bf16_zero0_resnet_exports_the_fp32_master_weights(tmp_path: Path):
+    """bf16 on CPU is allowed (never chosen by "auto"): BatchNorm statistics follow the training
+    dtype, and the export holds the fp32 masters, not upcast bf16 weights."""
+    overrides = {"bf16.enabled": True, "zero_optimization.stage": 0, "trainer.max_steps": 2}
+    result = run_single("configs/tiny_resnet.json", overrides, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = read_run(tmp_path).exported_state_dict()
+    weights = [tensor for name, tensor in exported.items() if name.endswith("convolution.weight")]
+    assert all(tensor.dtype == torch.float32 for tensor in weights)
+    assert any((tensor.bfloat16().float() != tensor).any() for tensor in weights)

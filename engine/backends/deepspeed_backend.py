@@ -16,6 +16,7 @@ from engine.backends.base import Backend
 
 class DeepSpeedBackend(Backend):
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], device: torch.device):
+        self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )
@@ -46,11 +47,14 @@ class DeepSpeedBackend(Backend):
         return client_state or {}
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-        if self._zero_stage == 0 and not self._mixed_precision:
-            # Plain data parallelism in fp32: every rank holds the whole fp32 model, saved as is.
-            states = torch.load(
-                checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
-            )
-            return {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
-        # Mixed precision or ZeRO: the fp32 master weights live in the optimizer partitions.
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+        if self._zero_stage >= 1:
+            # ZeRO keeps the fp32 master weights in the optimizer partitions of every rank.
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+        states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        weights = {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
+        if self._mixed_precision:
+            # ZeRO-0 under fp16/bf16: DeepSpeed's fp16-style optimizer holds the fp32 masters in one
+            # group, in the order of the parameters handed to deepspeed.initialize.
+            masters = states["optimizer"]["fp32_groups"][0]
+            weights.update(zip(self._trainable, (master.float() for master in masters), strict=True))
+        return weights

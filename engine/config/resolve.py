@@ -122,6 +122,9 @@ def _resolve_precision(doc: dict, hardware: Hardware) -> None:
         doc["fp16"]["enabled"] = (
             hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
         )
+    if doc["data_types"]["buffer_dtype"] == AUTO:
+        mixed = "bf16" if doc["bf16"]["enabled"] else "fp16" if doc["fp16"]["enabled"] else None
+        doc["data_types"]["buffer_dtype"] = mixed
 
 
 def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:

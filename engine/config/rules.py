@@ -61,12 +61,6 @@ def check_precision(document: dict, world_size: int, hardware: Hardware | None) 
     fp16, bf16 = document["fp16"]["enabled"], document["bf16"]["enabled"]
     if fp16 is True and bf16 is True:
         yield ConfigIssue("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
-    if fp16 is True and document["zero_optimization"]["stage"] == 0:
-        yield ConfigIssue(
-            "fp16.enabled",
-            "fp16 needs zero_optimization.stage >= 1 here: only ZeRO checkpoints keep the fp32 master weights "
-            "the export is made from; use stage 1 (no extra communication on one rank)",
-        )
     if hardware is None:
         return
     if fp16 is True and not hardware.fp16_supported:

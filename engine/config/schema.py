@@ -205,6 +205,20 @@ _BF16 = _object(
     default={},
 )
 
+_DATA_TYPES = _object(
+    "DeepSpeed's dtype controls for the module cast under fp16/bf16.",
+    {
+        "buffer_dtype": {
+            "enum": ["auto", "fp32", "fp16", "bf16", None],
+            "description": "dtype of floating buffers under mixed precision. DeepSpeed 0.19 casts only parameters, "
+            'which leaves BatchNorm statistics in fp32 next to bf16 inputs (an error). "auto": the training '
+            "dtype under fp16/bf16, unchanged (null) in fp32; null keeps buffers as loaded.",
+            "default": AUTO,
+        }
+    },
+    default={},
+)
+
 _OFFLOAD_OPTIMIZER = _object(
     "ZeRO-Offload of optimizer states (and the optimizer step) to host memory. ZeRO stage >= 1.",
     {
@@ -277,6 +291,7 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "scheduler": _SCHEDULER,
     "fp16": _FP16,
     "bf16": _BF16,
+    "data_types": _DATA_TYPES,
     "zero_optimization": _ZERO,
     "zero_allow_untested_optimizer": _boolean("Let ZeRO run optimizers DeepSpeed has not tested (SGD).", False),
     "zero_force_ds_cpu_optimizer": _boolean(

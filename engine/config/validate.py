@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ def describe(schema: dict) -> str:
     if "const" in schema:
         return f'"{schema["const"]}"'
     if "enum" in schema:
-        return "one of " + ", ".join(f'"{choice}"' for choice in schema["enum"])
+        return "one of " + ", ".join(json.dumps(choice) for choice in schema["enum"])
     kind = schema.get("type", "value")
     if isinstance(kind, list):
         return " or ".join(kind)
