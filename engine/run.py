@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import DeepSpeedBackend
+from engine.backends import Backend, DeepSpeedBackend
 from engine.checkpoint import checkpoint_root, resume_target, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -24,10 +25,10 @@ from engine.distributed import (
     is_main_process,
 )
 from engine.export import export_model, sample_text
-from engine.hardware import detect_hardware
+from engine.hardware import Hardware, detect_hardware
 from engine.metrics import MetricsLogger
 from engine.train import LoopSettings, train
-from models import get_family
+from models import ModelFamily, get_family
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,7 +76,17 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle) -> EngineConfig:
     return config
 
 
-def prepare(config_path: str, overrides: list[str]) -> tuple[EngineConfig, DataBundle]:
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` established before any process group: the run may now start."""
+
+    config: EngineConfig
+    data: DataBundle
+    hardware: Hardware
+    resume: tuple[Path, str] | None
+
+
+def prepare(config_path: str, overrides: list[str]) -> Prepared:
     """Everything that can fail because of user input, done before any process group exists."""
     hardware = detect_hardware()
     config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
@@ -83,44 +94,71 @@ def prepare(config_path: str, overrides: list[str]) -> tuple[EngineConfig, DataB
     bundle = load_data(config)
     config = settle_vocabulary(config, bundle)
     try:
-        resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
+        resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
     except FileNotFoundError as error:
         raise RunError(str(error)) from None
-    return config, bundle
+    return Prepared(config, bundle, hardware, resume)
+
+
+def loop_settings(config: EngineConfig) -> LoopSettings:
+    is_gpt = config.model["family"] == "gpt"
+    trainer = config.trainer
+    return LoopSettings(
+        max_steps=trainer["max_steps"],
+        gradient_accumulation_steps=config.document["gradient_accumulation_steps"],
+        log_interval=trainer["log_interval"],
+        eval_interval=trainer["eval_interval"],
+        save_interval=trainer["save_interval"],
+        items_per_step=config.document["train_batch_size"] * (config.data["seq_len"] if is_gpt else 1),
+        throughput_key="tokens_per_s" if is_gpt else "images_per_s",
+        world_size=config.world_size,
+    )
+
+
+def export_and_sample(
+    config: EngineConfig, family: ModelFamily, backend: Backend, bundle: DataBundle, tag: str, logger: MetricsLogger
+) -> None:
+    """Rank 0 consolidates checkpoint `tag` into the export; the others wait for it."""
+    barrier()
+    if is_main_process():
+        output_dir = Path(config.trainer["output_dir"])
+        export_dir = output_dir / "export"
+        state = backend.consolidated_state_dict(checkpoint_root(output_dir), tag)
+        export_model(family, state, config.model, export_dir, bundle.tokenizer)
+        logger.write(f"exported consolidated fp32 weights to {export_dir}")
+        tokens = config.trainer["sample_tokens"]
+        if tokens and bundle.tokenizer is not None:
+            text = sample_text(family, export_dir, bundle.tokenizer, tokens, config.trainer["seed"])
+            logger.write("sample:\n" + text)
+    barrier()
 
 
 def run(config_path: str, overrides: list[str]) -> int:
     try:
-        config, bundle = prepare(config_path, overrides)
+        prepared = prepare(config_path, overrides)
     except (ConfigError, RunError) as error:
         if is_main_process():
             print(error, file=sys.stderr)
         return 2
 
+    config, bundle = prepared.config, prepared.data
     trainer = config.trainer
     output_dir = Path(trainer["output_dir"])
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
 
-    hardware = detect_hardware()
-    device = init_process_group(hardware.device_type)
+    device = init_process_group(prepared.hardware.device_type)
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
     backend = DeepSpeedBackend(family.build(config.model), config.deepspeed_config(), device)
-
-    root = checkpoint_root(output_dir)
-    start_step = 0
-    target = resume_target(trainer["resume"], output_dir)
-    if target is not None:
-        start_step = int(backend.load(*target)["step"])
+    start_step = 0 if prepared.resume is None else int(backend.load(*prepared.resume)["step"])
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
-    accumulation = config.document["gradient_accumulation_steps"]
     batches = make_train_loader(
         bundle.train,
         micro_batch_size=micro_batch,
-        grad_accum=accumulation,
+        grad_accum=config.document["gradient_accumulation_steps"],
         dp_rank=env_rank(),
         dp_size=config.dp_size,
         seed=trainer["seed"],
@@ -138,17 +176,7 @@ def run(config_path: str, overrides: list[str]) -> int:
             num_workers=config.data["num_workers"],
         )
 
-    is_gpt = config.model["family"] == "gpt"
-    settings = LoopSettings(
-        max_steps=trainer["max_steps"],
-        gradient_accumulation_steps=accumulation,
-        log_interval=trainer["log_interval"],
-        eval_interval=trainer["eval_interval"],
-        save_interval=trainer["save_interval"],
-        items_per_step=config.document["train_batch_size"] * (config.data["seq_len"] if is_gpt else 1),
-        throughput_key="tokens_per_s" if is_gpt else "images_per_s",
-        world_size=env_world_size(),
-    )
+    settings = loop_settings(config)
     logger = MetricsLogger(
         output_dir,
         enabled=is_main_process(),
@@ -157,28 +185,19 @@ def run(config_path: str, overrides: list[str]) -> int:
         progress_bar=trainer["progress_bar"],
     )
     logger.write(
-        f"training {config.model['family']} {config.model['preset']} on {env_world_size()} rank(s), "
+        f"training {config.model['family']} {config.model['preset']} on {config.world_size} rank(s), "
         f"ZeRO-{config.zero_stage}, {config.precision}, global batch {config.document['train_batch_size']}"
         + (f", resuming at step {start_step}" if start_step else "")
     )
 
     def save(step: int) -> None:
-        backend.save(root, step_tag(step), {"step": step})
+        backend.save(checkpoint_root(output_dir), step_tag(step), {"step": step})
 
     last_saved = train(
         backend, family, batches, eval_batches, settings, logger, save, start_step, _DTYPES[config.precision]
     )
     if trainer["export"]:
-        barrier()
-        if is_main_process():
-            export_dir = output_dir / "export"
-            state = backend.consolidated_state_dict(root, step_tag(last_saved))
-            export_model(family, state, config.model, export_dir, bundle.tokenizer)
-            logger.write(f"exported consolidated fp32 weights to {export_dir}")
-            if trainer["sample_tokens"] and bundle.tokenizer is not None:
-                text = sample_text(family, export_dir, bundle.tokenizer, trainer["sample_tokens"], trainer["seed"])
-                logger.write("sample:\n" + text)
-        barrier()
+        export_and_sample(config, family, backend, bundle, step_tag(last_saved), logger)
     logger.close()
     destroy_process_group()
     return 0

@@ -38,7 +38,9 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device, dtype: to
     }
 
 
-def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]], dtype) -> dict:
+def evaluate(
+    backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]], dtype: torch.dtype
+) -> dict:
     """Metrics over the validation batches of every rank (sums reduced, then averaged)."""
     backend.train(False)
     totals: dict[str, torch.Tensor] = {}

@@ -82,10 +82,10 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     _resolve_batch(doc, world_size)
     _resolve_precision(doc, hardware)
     _resolve_optimizer(doc, hardware)
-    _resolve_zero_buckets(doc)
+    architecture = get_family(doc["model"]["family"]).architecture(doc["model"])
+    _resolve_zero_buckets(doc["zero_optimization"], architecture.get("n_embd"))
     if doc["gradient_clipping"] == AUTO:
         doc["gradient_clipping"] = 1.0
-    architecture = get_family(doc["model"]["family"]).architecture(doc["model"])
     if doc["data"]["seq_len"] == AUTO:
         doc["data"]["seq_len"] = architecture.get("n_positions")
     trainer = doc["trainer"]
@@ -142,10 +142,8 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
         scheduler["params"]["total_num_steps"] = doc["trainer"]["max_steps"]
 
 
-def _resolve_zero_buckets(doc: dict) -> None:
-    zero = doc["zero_optimization"]
-    model = doc["model"]
-    hidden = get_family(model["family"]).architecture(model).get("n_embd")
+def _resolve_zero_buckets(zero: dict, hidden: int | None) -> None:
+    """Bucket sizes from the model width, as HF Trainer sizes them; DeepSpeed's defaults otherwise."""
     defaults = {
         "reduce_bucket_size": hidden * hidden if hidden else _REDUCE_BUCKET_DEFAULT,
         "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden) if hidden else _PREFETCH_BUCKET_DEFAULT,
