@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,23 @@ def init_process_group(device_type: str, timeout_s: float = 600.0) -> torch.devi
         timeout=timedelta(seconds=timeout_s),
         verbose=False,
     )
+    if device_type == "cpu":
+        _release_shm_buffers()
     return device
+
+
+def _release_shm_buffers() -> None:
+    """Unlink the shared-memory files DeepSpeed's CPU backend creates at start-up and never removes.
+
+    DeepSpeed maps a 66 MiB /dev/shm buffer per rank for its inference all-reduce (training never
+    uses it) and leaves the file behind when the process exits, so every CPU run leaked 66 MiB
+    per rank until /dev/shm filled the machine's memory. Every rank has mapped every peer's buffer
+    once `init_distributed` returns; after a barrier the names can go, and the mappings live on.
+    """
+    dist.barrier()
+    pattern = f"deepspeed_allreduce_buffer_*_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{env_rank()}"
+    for path in Path("/dev/shm").glob(pattern):
+        path.unlink(missing_ok=True)
 
 
 def _free_port() -> int:

@@ -13,13 +13,12 @@ import numpy as np
 import torch
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import Backend, DeepSpeedBackend
+from engine.backends import Backend, PipelineBackend, build_backend, parallel_layout
 from engine.checkpoint import checkpoint_root, resume_target, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
     barrier,
     destroy_process_group,
-    env_rank,
     env_world_size,
     init_process_group,
     is_main_process,
@@ -105,7 +104,6 @@ def loop_settings(config: EngineConfig) -> LoopSettings:
     trainer = config.trainer
     return LoopSettings(
         max_steps=trainer["max_steps"],
-        gradient_accumulation_steps=config.document["gradient_accumulation_steps"],
         log_interval=trainer["log_interval"],
         eval_interval=trainer["eval_interval"],
         save_interval=trainer["save_interval"],
@@ -119,11 +117,11 @@ def export_and_sample(
     config: EngineConfig, family: ModelFamily, backend: Backend, bundle: DataBundle, tag: str, logger: MetricsLogger
 ) -> None:
     """Rank 0 consolidates checkpoint `tag` into the export; the others wait for it."""
+    output_dir = Path(config.trainer["output_dir"])
     barrier()
+    state = backend.consolidated_state_dict(checkpoint_root(output_dir), tag)
     if is_main_process():
-        output_dir = Path(config.trainer["output_dir"])
         export_dir = output_dir / "export"
-        state = backend.consolidated_state_dict(checkpoint_root(output_dir), tag)
         export_model(family, state, config.model, export_dir, bundle.tokenizer)
         logger.write(f"exported consolidated fp32 weights to {export_dir}")
         tokens = config.trainer["sample_tokens"]
@@ -151,7 +149,7 @@ def run(config_path: str, overrides: list[str]) -> int:
     device = init_process_group(prepared.hardware.device_type)
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
-    backend = DeepSpeedBackend(family.build(config.model), config.deepspeed_config(), device)
+    backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision])
     start_step = 0 if prepared.resume is None else int(backend.load(*prepared.resume)["step"])
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
@@ -159,7 +157,7 @@ def run(config_path: str, overrides: list[str]) -> int:
         bundle.train,
         micro_batch_size=micro_batch,
         grad_accum=config.document["gradient_accumulation_steps"],
-        dp_rank=env_rank(),
+        dp_rank=dp_rank,
         dp_size=config.dp_size,
         seed=trainer["seed"],
         start_step=start_step,
@@ -170,7 +168,7 @@ def run(config_path: str, overrides: list[str]) -> int:
         return make_eval_loader(
             bundle.validation,
             micro_batch_size=micro_batch,
-            dp_rank=env_rank(),
+            dp_rank=dp_rank,
             dp_size=config.dp_size,
             max_batches=trainer["eval_batches"],
             num_workers=config.data["num_workers"],
@@ -184,6 +182,9 @@ def run(config_path: str, overrides: list[str]) -> int:
         start_step=start_step,
         progress_bar=trainer["progress_bar"],
     )
+    layout = parallel_layout(config)
+    if layout.model_parallel:
+        logger.write(layout.describe(backend.stage_layers() if isinstance(backend, PipelineBackend) else None))
     logger.write(
         f"training {config.model['family']} {config.model['preset']} on {config.world_size} rank(s), "
         f"ZeRO-{config.zero_stage}, {config.precision}, global batch {config.document['train_batch_size']}"
@@ -193,9 +194,7 @@ def run(config_path: str, overrides: list[str]) -> int:
     def save(step: int) -> None:
         backend.save(checkpoint_root(output_dir), step_tag(step), {"step": step})
 
-    last_saved = train(
-        backend, family, batches, eval_batches, settings, logger, save, start_step, _DTYPES[config.precision]
-    )
+    last_saved = train(backend, family, batches, eval_batches, settings, logger, save, start_step)
     if trainer["export"]:
         export_and_sample(config, family, backend, bundle, step_tag(last_saved), logger)
     logger.close()

@@ -21,7 +21,6 @@ from models import ModelFamily
 @dataclass(frozen=True)
 class LoopSettings:
     max_steps: int
-    gradient_accumulation_steps: int
     log_interval: int
     eval_interval: int
     save_interval: int
@@ -30,26 +29,10 @@ class LoopSettings:
     world_size: int
 
 
-def to_device(batch: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict:
-    """Move a batch; floating inputs take the model's dtype (DeepSpeed does not cast under bf16)."""
-    return {
-        key: value.to(device, dtype=dtype if value.is_floating_point() else None, non_blocking=True)
-        for key, value in batch.items()
-    }
-
-
-def evaluate(
-    backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]], dtype: torch.dtype
-) -> dict:
+def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict:
     """Metrics over the validation batches of every rank (sums reduced, then averaged)."""
-    backend.train(False)
-    totals: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for batch in batches:
-            for key, value in family.eval_sums(backend.model, to_device(batch, backend.device, dtype)).items():
-                totals[key] = totals.get(key, 0) + value.detach().double()
-    backend.train(True)
-    return {f"eval_{key}": value for key, value in family.summarize_eval(all_reduce_sum(totals)).items()}
+    sums = all_reduce_sum(backend.eval_sums(batches))
+    return {f"eval_{key}": value for key, value in family.summarize_eval(sums).items()}
 
 
 def train(
@@ -61,28 +44,20 @@ def train(
     logger: MetricsLogger,
     save: Callable[[int], None],
     start_step: int,
-    input_dtype: torch.dtype,
 ) -> int:
     """Run from `start_step` to `settings.max_steps`; returns the last step saved."""
     step, saved = start_step, start_step
     window_start, window_steps = time.perf_counter(), 0
-    backend.train(True)
     while step < settings.max_steps:
         lr = backend.learning_rate()
-        loss_sum = torch.zeros((), device=backend.device)
-        for _ in range(settings.gradient_accumulation_steps):
-            batch = to_device(next(batches), backend.device, input_dtype)
-            loss = family.compute_loss(backend.model, batch)
-            backend.backward(loss)
-            backend.step()
-            loss_sum += loss.detach().float()
+        loss = backend.train_step(batches)
         step += 1
         window_steps += 1
 
         last = step == settings.max_steps
         eval_due = last or (settings.eval_interval and step % settings.eval_interval == 0)
         if last or eval_due or step % settings.log_interval == 0:
-            mean_loss = all_reduce_sum({"loss": loss_sum / settings.gradient_accumulation_steps})["loss"]
+            mean_loss = all_reduce_sum({"loss": loss})["loss"]
             elapsed = time.perf_counter() - window_start
             record = {
                 "step": step,
@@ -92,7 +67,7 @@ def train(
                 "step_time_s": elapsed / window_steps,
             }
             if eval_due:
-                record.update(evaluate(backend, family, eval_batches(), input_dtype))
+                record.update(evaluate(backend, family, eval_batches()))
             logger.log(record)
             window_start, window_steps = time.perf_counter(), 0
         if last or (settings.save_interval and step % settings.save_interval == 0):

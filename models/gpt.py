@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.pipe import TiedLayerSpec
+from torch import nn
 from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import create_causal_mask
 
 from models.common import AUTO, check_state_dict, merge_preset, setting
+from models.tensor_parallel import TensorParallelPlan, tied_logits
 
 GPT2_VOCAB_SIZE = 50257
 _GPT2_CONTEXT = {"n_positions": 1024, "vocab_size": GPT2_VOCAB_SIZE}
@@ -128,13 +133,7 @@ def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> t
 def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
     input_ids = batch["input_ids"]
-    loss = compute_loss(model, batch).detach()
-    # The last position of each row has no next token to predict.
-    predicted = input_ids.shape[0] * (input_ids.shape[1] - 1)
-    return {
-        "loss_sum": loss.double() * predicted,
-        "tokens": torch.tensor(predicted, dtype=torch.float64, device=loss.device),
-    }
+    return pipeline_eval_sums(model(input_ids=input_ids, use_cache=False).logits, input_ids)
 
 
 def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
@@ -172,3 +171,103 @@ def _one_embedding_key(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     if embedding is not head and not torch.equal(embedding, head):
         raise ValueError(f"{_EMBEDDING_KEY} and {_HEAD_KEY} differ, but the model ties them into one tensor")
     return weights
+
+
+# -- Parallel forms ---------------------------------------------------------------------------
+
+TENSOR_PARALLEL_PLAN = TensorParallelPlan(
+    # q, k and v sit side by side in c_attn; each is split on head boundaries.
+    column={"transformer.h.*.attn.c_attn": 3, "transformer.h.*.mlp.c_fc": 1},
+    row=("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"),
+    vocab_embedding="transformer.wte",
+    tied_head="lm_head",
+    # GPT2Attention splits c_attn's output by split_size and counts num_heads: per rank, a share.
+    per_rank_attributes={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
+)
+PIPELINE_BLOCK_TYPE = "GPT2Block"
+_TIED_EMBEDDING = "embedding"
+
+
+def pipeline_blocks(arch: Mapping[str, Any]) -> int:
+    return arch["n_layer"]
+
+
+class _TokenEmbedding(nn.Module):
+    """The tied token embedding: looked up on the first stage, the output projection on the last."""
+
+    def __init__(self, wte: nn.Module):
+        super().__init__()
+        self.wte = wte
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids)
+
+
+def _tied_head(embedding: _TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    return tied_logits(embedding.wte, hidden)
+
+
+class _PositionEmbedding(nn.Module):
+    """Adds position vectors and applies embedding dropout, in GPT2Model's order."""
+
+    def __init__(self, wpe: nn.Embedding, drop: nn.Dropout):
+        super().__init__()
+        self.wpe, self.drop = wpe, drop
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        return self.drop(inputs_embeds + self.wpe(positions))
+
+
+class _Block(nn.Module):
+    """A GPT2Block as a pipeline layer: hidden states in, hidden states out, with the causal mask
+    GPT2Model would have built for it (None under SDPA, which masks causally itself)."""
+
+    def __init__(self, block: nn.Module, config: GPT2Config):
+        super().__init__()
+        self.block, self.config = block, config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+        )
+        return self.block(hidden, None, mask)
+
+
+def pipeline_layers(model: GPT2LMHeadModel) -> list:
+    """GPT-2 as a sequence of pipeline layers made of the model's own modules: token embedding
+    (tied to the head, so DeepSpeed keeps the two copies equal across stages), positions, the
+    blocks, the final norm and the head."""
+    transformer = model.transformer
+    return [
+        TiedLayerSpec(_TIED_EMBEDDING, _TokenEmbedding, transformer.wte, tied_weight_attr="wte.weight"),
+        _PositionEmbedding(transformer.wpe, transformer.drop),
+        *(_Block(block, model.config) for block in transformer.h),
+        transformer.ln_f,
+        TiedLayerSpec(
+            _TIED_EMBEDDING, _TokenEmbedding, transformer.wte, forward_fn=_tied_head, tied_weight_attr="wte.weight"
+        ),
+    ]
+
+
+def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first stage's input, last stage's labels): the tokens are both; the loss shifts them."""
+    return batch["input_ids"], batch["input_ids"]
+
+
+def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' own causal-LM loss (fp32 logits, shifted labels), as the unsplit model computes it."""
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
+EVAL_SUMS = ("loss_sum", "tokens")
+
+
+def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # The last position of each row has no next token to predict.
+    predicted = labels.shape[0] * (labels.shape[1] - 1)
+    return {
+        "loss_sum": pipeline_loss(logits, labels).detach().double() * predicted,
+        "tokens": torch.tensor(predicted, dtype=torch.float64, device=logits.device),
+    }

@@ -1,4 +1,4 @@
-"""One entry per model family: its presets, builder, loss, evaluation and export.
+"""One entry per model family: its presets, builder, loss, evaluation, export and parallel forms.
 
 Adding a family means writing one module that exposes the names `_family` reads, and adding it
 to `FAMILIES`.
@@ -15,6 +15,28 @@ from typing import Any
 import torch
 
 from models import gpt, resnet
+from models.tensor_parallel import TensorParallelPlan
+
+Batch = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineForm:
+    """A family as DeepSpeed pipeline layers.
+
+    `layers` turns a built model into the layer list of a `PipelineModule`; `split_batch` makes a
+    loader batch into (first stage's input, last stage's labels); `loss` and `eval_sums` (whose keys
+    `eval_keys` names) run on the last stage's output. `block_type` is the class-name pattern that
+    partition method "type" balances; `num_blocks` counts those blocks for an architecture.
+    """
+
+    layers: Callable[[torch.nn.Module], list]
+    split_batch: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+    eval_keys: tuple[str, ...]
+    block_type: str
+    num_blocks: Callable[[Mapping[str, Any]], int]
 
 
 @dataclass(frozen=True)
@@ -23,17 +45,20 @@ class ModelFamily:
 
     `compute_loss` and `eval_sums` receive the module itself or a wrapper that forwards calls to it
     (a DeepSpeed engine), so they only call the model and never reach into its attributes.
+    `tensor_parallel` is None for a family that cannot be split by layer.
     """
 
     name: str
     presets: Mapping[str, Mapping[str, Any]]
     architecture: Callable[[Mapping[str, Any]], dict[str, Any]]
     build: Callable[[Mapping[str, Any]], torch.nn.Module]
-    compute_loss: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
-    eval_sums: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+    compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    eval_sums: Callable[[torch.nn.Module, Batch], dict[str, torch.Tensor]]
     summarize_eval: Callable[[Mapping[str, float]], dict[str, float]]
     export: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Path], None]
     load_export: Callable[[Path], torch.nn.Module]
+    pipeline: PipelineForm
+    tensor_parallel: TensorParallelPlan | None
 
 
 def _family(name: str, module: ModuleType) -> ModelFamily:
@@ -48,6 +73,16 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         summarize_eval=module.summarize_eval,
         export=module.export,
         load_export=module.load_export,
+        pipeline=PipelineForm(
+            layers=module.pipeline_layers,
+            split_batch=module.pipeline_batch,
+            loss=module.pipeline_loss,
+            eval_sums=module.pipeline_eval_sums,
+            eval_keys=module.EVAL_SUMS,
+            block_type=module.PIPELINE_BLOCK_TYPE,
+            num_blocks=module.pipeline_blocks,
+        ),
+        tensor_parallel=getattr(module, "TENSOR_PARALLEL_PLAN", None),
     )
 
 

@@ -166,19 +166,12 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def compute_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    # Cross entropy in fp32: under bf16 the logits' rounding would show in the loss.
-    return F.cross_entropy(logits_of(model(batch["pixel_values"])).float(), batch["labels"])
+    return pipeline_loss(logits_of(model(batch["pixel_values"])), batch["labels"])
 
 
 def eval_sums(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Summed loss, correct predictions and samples, so the means over every rank's batches are exact."""
-    logits = logits_of(model(batch["pixel_values"])).float()
-    labels = batch["labels"]
-    return {
-        "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
-        "correct": (logits.argmax(dim=-1) == labels).sum().double(),
-        "samples": torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
-    }
+    return pipeline_eval_sums(logits_of(model(batch["pixel_values"])), batch["labels"])
 
 
 def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
@@ -232,3 +225,55 @@ def _load_init_weights(model: nn.Module, arch: Mapping[str, Any], path: Path) ->
             "set the model section to match the export"
         )
     model.load_state_dict(load_file(path / WEIGHTS_FILE))
+
+
+# -- Pipeline form ----------------------------------------------------------------------------
+
+PIPELINE_BLOCK_TYPE = "BasicBlock|Bottleneck|ResNetBasicLayer|ResNetBottleNeckLayer"
+
+
+def pipeline_blocks(arch: Mapping[str, Any]) -> int:
+    return sum(arch["depths"])
+
+
+class _Head(nn.Module):
+    """Global pooling, flattening and the classifier, as the last pipeline layer."""
+
+    def __init__(self, pool: nn.Module, classifier: nn.Module):
+        super().__init__()
+        self.pool, self.classifier = pool, classifier
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(hidden), 1))
+
+
+def pipeline_layers(model: nn.Module) -> list:
+    """Stem, every residual block, then pooling and classifier: the model's own modules in order."""
+    if isinstance(model, ResNetForImageClassification):
+        stem = model.resnet.embedder
+        head = _Head(model.resnet.pooler, model.classifier)
+    else:
+        stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
+        head = _Head(model.avgpool, model.fc)
+    return [stem, *residual_blocks(model), head]
+
+
+def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch["pixel_values"], batch["labels"]
+
+
+def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Cross entropy in fp32: under bf16 the logits' rounding would show in the loss.
+    return F.cross_entropy(logits.float(), labels)
+
+
+EVAL_SUMS = ("correct", "loss_sum", "samples")
+
+
+def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    logits = logits.float()
+    return {
+        "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+        "correct": (logits.argmax(dim=-1) == labels).sum().double(),
+        "samples": torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
+    }

@@ -62,6 +62,9 @@ def with_changes(**changes) -> dict:
 @pytest.mark.parametrize("world_size,hardware", [(1, CPU), (8, GPU)], ids=["1cpu", "8gpu"])
 def test_shipped_config_validates(path: Path, world_size: int, hardware: Hardware, tmp_path: Path):
     document = json.loads(path.read_text())
+    parallel = document.get("parallel", {})
+    # A model-parallel config needs at least one rank per stage and shard.
+    world_size = max(world_size, parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1))
     overrides = []
     data_path = document["data"].get("path")
     if data_path and not (ROOT / data_path).exists():
@@ -87,7 +90,12 @@ def test_minimal_config_gets_explicit_defaults():
     assert filled["model"]["dropout"] == 0.0
     assert "num_classes" not in filled["model"]  # ResNet-only default stays out of a GPT config
     assert filled["trainer"]["max_steps"] == 1000
-    assert filled["parallel"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    assert filled["parallel"] == {
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "pipeline_partition_method": "parameters",
+        "pipeline_activation_checkpoint_interval": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -227,14 +235,62 @@ def test_every_schema_error_is_reported_at_once():
             "trainer.resume: 'no/such/step5' is not a checkpoint directory",
         ),
         (
-            with_changes(parallel__tensor_parallel_size=2),
+            with_changes(parallel__pipeline_parallel_size=2, zero_optimization__stage=2),
             2,
-            "parallel.tensor_parallel_size: 2: values above 1 are not yet supported",
+            "zero_optimization.stage: ZeRO-2 cannot run with pipeline parallelism",
         ),
         (
-            with_changes(parallel__pipeline_parallel_size=2),
+            with_changes(parallel__pipeline_parallel_size=2, zero_optimization__stage=3),
             2,
-            "parallel.pipeline_parallel_size: 2: values above 1 are not yet supported",
+            "zero_optimization.stage: ZeRO-3 cannot run with pipeline parallelism",
+        ),
+        (
+            with_changes(parallel__pipeline_parallel_size=3, model__n_layer=2),
+            3,
+            "parallel.pipeline_parallel_size: 3 stages for a model of 2 GPT2Block blocks; use at most 2",
+        ),
+        (
+            with_changes(parallel__pipeline_parallel_size=2, model__activation_checkpointing=True),
+            2,
+            "model.activation_checkpointing: pipeline stages checkpoint by layer interval",
+        ),
+        (
+            with_changes(parallel__pipeline_activation_checkpoint_interval=1),
+            1,
+            "parallel.pipeline_activation_checkpoint_interval: 1 applies to pipeline stages only",
+        ),
+        (
+            with_changes(parallel__tensor_parallel_size=4),
+            4,
+            "model.n_head: 2 heads cannot be split across tensor_parallel_size 4",
+        ),
+        (
+            with_changes(parallel__tensor_parallel_size=2, model__vocab_size=65),
+            2,
+            'model.vocab_size: 65 rows cannot be split across tensor_parallel_size 2; use 66 or "auto"',
+        ),
+        (
+            with_changes(parallel__tensor_parallel_size=2, zero_optimization__stage=3),
+            2,
+            "zero_optimization.stage: ZeRO-3 does not combine with tensor parallelism",
+        ),
+        (
+            {
+                **with_changes(parallel__tensor_parallel_size=2),
+                "model": {"family": "resnet", "preset": "resnet18"},
+                "data": {"type": "synthetic"},
+            },
+            2,
+            "parallel.tensor_parallel_size: resnet models have no tensor-parallel form",
+        ),
+        (
+            {
+                **with_changes(parallel__pipeline_parallel_size=9),
+                "model": {"family": "resnet", "preset": "resnet18"},
+                "data": {"type": "synthetic"},
+            },
+            9,
+            "parallel.pipeline_parallel_size: 9 stages for a model of 8 BasicBlock blocks",
         ),
         (with_changes(parallel__pipeline_parallel_size=2), 3, "parallel: world size 3 is not divisible by"),
     ],

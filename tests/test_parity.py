@@ -7,12 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
 from tests.support.launch import launch
 from tests.support.reference import reference_run
 
-LOSS_TOLERANCE = 1e-5
 # With clipping on, ZeRO-1/2 sum the global gradient norm in fp64 where torch sums it in fp32; the
 # clip coefficients differ in the last bit, and Adam turns that into a visible step for the few
 # elements whose gradient is near eps. Such an element can move by at most about lr per step, so
@@ -50,23 +49,6 @@ VARIANTS = [
 CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
 
 
-def assert_weights_match(exported: dict[str, torch.Tensor], reference: torch.nn.Module, atol: float) -> None:
-    """Every trained parameter of the reference equals the exported one. Buffers are left out:
-    BatchNorm running statistics are per rank under data parallelism, as in DDP."""
-    parameters = dict(reference.named_parameters())
-    compared = [name for name in parameters if name in exported]
-    tied = {name for name in parameters if name not in exported}
-    assert tied <= {"lm_head.weight"}, f"export lacks {sorted(tied)}"
-    for name in compared:
-        torch.testing.assert_close(
-            exported[name],
-            parameters[name].detach(),
-            rtol=0,
-            atol=atol,
-            msg=lambda detail, name=name: f"{name}: {detail}",
-        )
-
-
 @pytest.mark.launch
 @pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["noclip", "clip"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -75,9 +57,8 @@ def test_two_ranks_match_single_process(family: str, variant: Variant, clipping:
     overrides = {**variant.overrides, "gradient_clipping": clipping}
     run = launch(CONFIGS[family], overrides, tmp_path / "run", nproc=2)
     reference = reference_run(CONFIGS[family], overrides, world_size=2)
-    assert len(run.losses) == len(reference.losses) == 5
-    difference = max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True))
-    assert difference <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert len(run.losses) == 5
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert run.losses[-1] < run.losses[0]
     tolerance = CLIPPED_WEIGHT_TOLERANCE if clipping else UNCLIPPED_WEIGHT_TOLERANCE
     assert_weights_match(run.exported_state_dict(), reference.model, tolerance)

@@ -1,7 +1,9 @@
-"""Training backends: each turns (model, config) into something that can forward, backward,
-step, save and load, so the loop never knows which library is underneath."""
+"""Training backends: each turns (model, config) into something that can run a training step,
+evaluate, save and load, so the loop never knows which library is underneath."""
 
 from engine.backends.base import Backend
 from engine.backends.deepspeed_backend import DeepSpeedBackend
+from engine.backends.factory import build_backend, parallel_layout
+from engine.backends.pipeline_backend import PipelineBackend
 
-__all__ = ["Backend", "DeepSpeedBackend"]
+__all__ = ["Backend", "DeepSpeedBackend", "PipelineBackend", "build_backend", "parallel_layout"]

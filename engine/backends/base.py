@@ -3,34 +3,39 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+Batch = Mapping[str, torch.Tensor]
+
 
 class Backend(ABC):
     """A model made trainable by some distributed library.
 
-    `model` is what the loss functions call: it forwards to the user's module whatever wraps it.
-    `step()` is called after every micro-batch's backward; the backend decides whether that
-    micro-step closes an accumulation window and runs the optimizer.
+    The loop hands over batches as the loader yields them; the backend moves them, runs forward and
+    backward over the micro-batches of one step and applies the optimizer, however its library
+    schedules that work (micro-batch by micro-batch, or a pipeline schedule).
     """
 
-    model: torch.nn.Module
     device: torch.device
 
     @abstractmethod
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        """One optimizer step over the next gradient_accumulation_steps micro-batches.
+
+        Returns a loss on the device (no host sync) whose mean over all ranks is the step's mean loss.
+        """
 
     @abstractmethod
-    def step(self) -> None: ...
+    def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
+        """The family's evaluation sums over this rank's batches, arranged so that summing them over
+        all ranks counts every sample once (ranks holding a copy of another's result give zeros)."""
 
     @abstractmethod
     def learning_rate(self) -> float: ...
-
-    @abstractmethod
-    def train(self, mode: bool = True) -> None: ...
 
     @abstractmethod
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
@@ -41,5 +46,16 @@ class Backend(ABC):
         """Every rank restores checkpoint `tag`; returns the client state saved with it."""
 
     @abstractmethod
-    def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-        """The full fp32 weights of a saved checkpoint, read on one rank (no collectives)."""
+    def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
+        """The full fp32 weights of the model as saved in checkpoint `tag`: on rank 0, None elsewhere.
+
+        Collective: every rank calls it.
+        """
+
+
+def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Move a batch; floating inputs take the model's dtype (DeepSpeed does not cast under bf16)."""
+    return {
+        key: value.to(device, dtype=dtype if value.is_floating_point() else None, non_blocking=True)
+        for key, value in batch.items()
+    }

@@ -1,41 +1,78 @@
 """DeepSpeed as the engine's primary backend: ZeRO 0-3, CPU offload, mixed precision,
 accumulation, clipping, optimizer and LR schedule all come from `deepspeed.initialize` with the
-resolved config; this class only adapts DeepSpeedEngine to the Backend interface."""
+resolved config; this class only adapts DeepSpeedEngine to the Backend interface.
+
+Under tensor parallelism the engine is given DeepSpeed's `PipelineParallelGrid` (one stage) as its
+`mpu`, which is how DeepSpeed learns the data-parallel group to reduce gradients over and the
+tensor-parallel group to sum gradient norms over.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, Batch, to_device
+from engine.parallel.consolidate import gather_full_state, tensor_names
+from models import ModelFamily
 
 
 class DeepSpeedBackend(Backend):
-    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        family: ModelFamily,
+        ds_config: dict[str, Any],
+        device: torch.device,
+        input_dtype: torch.dtype,
+        grid: PipelineParallelGrid | None = None,
+    ):
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        self._names = tensor_names(model)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config,
+            mpu=grid,
         )
-        self.model = self.engine
-        self.device = device
+        self.device, self.family, self.input_dtype, self.grid = device, family, input_dtype, grid
+        self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        self.engine.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self._accumulation):
+            loss = self.family.compute_loss(self.engine, to_device(next(batches), self.device, self.input_dtype))
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach().float()
+        return loss_sum / self._accumulation
 
-    def step(self) -> None:
-        self.engine.step()
+    def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
+        self.engine.eval()
+        totals: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for batch in batches:
+                sums = self.family.eval_sums(self.engine, to_device(batch, self.device, self.input_dtype))
+                for key, value in sums.items():
+                    totals[key] = totals.get(key, 0) + value.detach().double()
+        self.engine.train()
+        if self.grid is not None and self.grid.get_slice_parallel_rank() != 0:
+            # Every tensor shard computed the same sums; one of them counts.
+            totals = {key: torch.zeros_like(value) for key, value in totals.items()}
+        return totals
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
-
-    def train(self, mode: bool = True) -> None:
-        self.engine.train(mode)
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
@@ -46,7 +83,22 @@ class DeepSpeedBackend(Backend):
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
         return client_state or {}
 
-    def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
+        if self.grid is not None and self.grid.get_slice_parallel_world_size() > 1:
+            # Tensor-parallel shards: zero_to_fp32 cannot join them; gather from the live ranks,
+            # which hold exactly what checkpoint `tag` saved.
+            return gather_full_state(
+                self.engine.module,
+                self._names,
+                self.grid.get_slice_parallel_group(),
+                is_writer=self.grid.get_data_parallel_rank() == 0 and self.grid.get_slice_parallel_rank() == 0,
+                mixed_precision=self._mixed_precision,
+            )
+        if dist.get_rank() != 0:
+            return None
+        return self._read_checkpoint(checkpoint_dir, tag)
+
+    def _read_checkpoint(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
         if self._zero_stage >= 1:
             # ZeRO keeps the fp32 master weights in the optimizer partitions of every rank.
             return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)

@@ -67,11 +67,14 @@ class EngineConfig:
         return {key: copy.deepcopy(value) for key, value in self.document.items() if key in DEEPSPEED_PROPERTIES}
 
     def with_vocab_size(self, vocab_size: int) -> EngineConfig:
-        """Settle `model.vocab_size: "auto"` once the tokenizer is known (it is built from the data)."""
+        """Settle `model.vocab_size: "auto"` once the tokenizer is known (it is built from the data),
+        rounded up so the embedding splits evenly across the tensor-parallel ranks; the extra rows
+        are never a target, so training only learns to keep their logits low."""
         if self.model.get("vocab_size", AUTO) != AUTO:
             return self
+        degree = self.parallel["tensor_parallel_size"]
         document = copy.deepcopy(self.document)
-        document["model"]["vocab_size"] = vocab_size
+        document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
         return EngineConfig(document, self.world_size, self.source)
 
 

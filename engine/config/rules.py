@@ -19,8 +19,6 @@ from models import get_family
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
 
-_NOT_YET = "values above 1 are not yet supported by this engine (pipeline and tensor parallelism land next)"
-
 
 def _known(value: Any) -> Any:
     return None if value == AUTO else value
@@ -33,15 +31,82 @@ def data_parallel_size(document: dict, world_size: int) -> int:
 
 def check_parallel_layout(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     parallel = document["parallel"]
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if parallel[key] > 1:
-            yield ConfigIssue(f"parallel.{key}", f"{parallel[key]}: {_NOT_YET}; set it to 1")
     model_ranks = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
     if world_size % model_ranks:
         yield ConfigIssue(
             "parallel",
             f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
             f"{model_ranks}; launch a multiple of {model_ranks} processes",
+        )
+
+
+def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """What DeepSpeed's PipelineEngine cannot do, refused before it asserts at run time."""
+    parallel, model = document["parallel"], document["model"]
+    stages = parallel["pipeline_parallel_size"]
+    interval = parallel["pipeline_activation_checkpoint_interval"]
+    if stages == 1:
+        if interval:
+            yield ConfigIssue(
+                "parallel.pipeline_activation_checkpoint_interval",
+                f"{interval} applies to pipeline stages only; set it to 0 and use model.activation_checkpointing",
+            )
+        return
+    stage = document["zero_optimization"]["stage"]
+    if stage >= 2:
+        yield ConfigIssue(
+            "zero_optimization.stage",
+            f"ZeRO-{stage} cannot run with pipeline parallelism (DeepSpeed's pipeline engine reduces gradients "
+            "itself); use stage 0 or 1, or set parallel.pipeline_parallel_size to 1",
+        )
+    if model["activation_checkpointing"]:
+        yield ConfigIssue(
+            "model.activation_checkpointing",
+            "pipeline stages checkpoint by layer interval; set it to false and "
+            "parallel.pipeline_activation_checkpoint_interval to 1 (or more)",
+        )
+    family = get_family(model["family"])
+    blocks = family.pipeline.num_blocks(family.architecture(model))
+    if stages > blocks:
+        yield ConfigIssue(
+            "parallel.pipeline_parallel_size",
+            f"{stages} stages for a model of {blocks} {family.pipeline.block_type.split('|')[0]} blocks; "
+            f"use at most {blocks} stages or a deeper model",
+        )
+
+
+def check_tensor_parallel(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    degree, model = document["parallel"]["tensor_parallel_size"], document["model"]
+    if degree == 1:
+        return
+    family = get_family(model["family"])
+    if family.tensor_parallel is None:
+        yield ConfigIssue(
+            "parallel.tensor_parallel_size",
+            f"{family.name} models have no tensor-parallel form (convolutions split poorly); set it to 1 and use "
+            "data or pipeline parallelism",
+        )
+        return
+    stage = document["zero_optimization"]["stage"]
+    if stage == 3:
+        yield ConfigIssue(
+            "zero_optimization.stage",
+            "ZeRO-3 does not combine with tensor parallelism here; use stage 0, 1 or 2, or set "
+            "parallel.tensor_parallel_size to 1",
+        )
+    architecture = family.architecture(model)
+    if architecture["n_head"] % degree:
+        yield ConfigIssue(
+            "model.n_head",
+            f"{architecture['n_head']} heads cannot be split across tensor_parallel_size {degree}; pick a "
+            f"head count divisible by {degree}",
+        )
+    vocab = architecture["vocab_size"]
+    if vocab != AUTO and vocab % degree:
+        yield ConfigIssue(
+            "model.vocab_size",
+            f"{vocab} rows cannot be split across tensor_parallel_size {degree}; use "
+            f'{-(-vocab // degree) * degree} or "auto" (rounds the tokenizer\'s size up)',
         )
 
 
@@ -172,6 +237,8 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
 
 RULES: tuple[Rule, ...] = (
     check_parallel_layout,
+    check_pipeline,
+    check_tensor_parallel,
     check_batch,
     check_precision,
     check_zero,

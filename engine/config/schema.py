@@ -327,7 +327,10 @@ _GPT_MODEL = {
     "n_embd": _integer("Model width (overrides the preset).", minimum=1),
     "n_positions": _integer("Longest sequence the position table covers (overrides the preset).", minimum=1),
     "vocab_size": _integer(
-        'Vocabulary size (overrides the preset); "auto": the tokenizer\'s vocabulary size.', minimum=1, auto=True
+        'Vocabulary size (overrides the preset); "auto": the tokenizer\'s vocabulary size, rounded up to a '
+        "multiple of parallel.tensor_parallel_size so the embedding splits evenly.",
+        minimum=1,
+        auto=True,
     ),
     "dropout": _number("Dropout on embeddings, attention and residuals.", 0.0, minimum=0, exclusiveMaximum=1),
     "attn_implementation": _enum(["sdpa", "eager"], "Attention kernel used by transformers.", "sdpa"),
@@ -451,10 +454,33 @@ _TRAINER = _object(
 )
 
 _PARALLEL = _object(
-    "Model parallelism. Data-parallel size = world size / (tensor x pipeline).",
+    "Model parallelism. Ranks are laid out pipeline-major, tensor-minor: data-parallel size = world "
+    "size / (tensor x pipeline), and the ranks of one tensor-parallel group are adjacent.",
     {
-        "tensor_parallel_size": _integer("Ranks that split each layer.", 1, minimum=1),
-        "pipeline_parallel_size": _integer("Pipeline stages.", 1, minimum=1),
+        "tensor_parallel_size": _integer(
+            "Ranks that split each GPT layer (Megatron-style: attention by heads, MLP by width, embedding "
+            "and tied head by vocabulary). Must divide n_head; ZeRO stage 0-2.",
+            1,
+            minimum=1,
+        ),
+        "pipeline_parallel_size": _integer(
+            "Pipeline stages (DeepSpeed PipelineModule); the micro-batches of a step are "
+            "gradient_accumulation_steps. ZeRO stage 0 or 1.",
+            1,
+            minimum=1,
+        ),
+        "pipeline_partition_method": _enum(
+            ["parameters", "uniform", "type"],
+            "How layers are split into stages: balance parameter counts, balance layer counts, or balance the "
+            "family's repeating blocks (transformer blocks, residual blocks).",
+            "parameters",
+        ),
+        "pipeline_activation_checkpoint_interval": _integer(
+            "Recompute activations in the backward pass every this many pipeline layers; 0: keep them. "
+            "Under pipeline parallelism this replaces model.activation_checkpointing.",
+            0,
+            minimum=0,
+        ),
     },
     default={},
 )

@@ -30,6 +30,7 @@ def free_port() -> int:
 class Run:
     output_dir: Path
     records: list[dict]
+    stdout: str = ""
 
     @property
     def losses(self) -> list[float]:
@@ -59,7 +60,7 @@ def launch(config: str, overrides: dict[str, object], output_dir: Path, nproc: i
         raise AssertionError(
             f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
-    return read_run(output_dir)
+    return read_run(output_dir, result.stdout)
 
 
 def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> subprocess.CompletedProcess:
@@ -69,9 +70,9 @@ def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> s
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
-def read_run(output_dir: Path) -> Run:
+def read_run(output_dir: Path, stdout: str = "") -> Run:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return Run(output_dir, [json.loads(line) for line in lines])
+    return Run(output_dir, [json.loads(line) for line in lines], stdout)
 
 
 def _text(value: object) -> str:

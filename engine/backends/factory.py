@@ -1,0 +1,58 @@
+"""Which backend a config gets, and the model-parallel set-up that must happen before it exists.
+
+Order matters and is the same on every rank: build the full model from the seed, cut it into
+tensor-parallel shards, then hand it to DeepSpeed, either whole (data and tensor parallelism) or
+as pipeline layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+from engine.backends.base import Backend
+from engine.backends.deepspeed_backend import DeepSpeedBackend
+from engine.backends.pipeline_backend import PipelineBackend
+from engine.config import EngineConfig
+from engine.parallel.layout import ParallelLayout
+from models import ModelFamily
+from models.tensor_parallel import apply_tensor_parallel
+
+
+def parallel_layout(config: EngineConfig) -> ParallelLayout:
+    parallel = config.parallel
+    return ParallelLayout(
+        data=config.dp_size, pipeline=parallel["pipeline_parallel_size"], tensor=parallel["tensor_parallel_size"]
+    )
+
+
+def build_backend(
+    config: EngineConfig, family: ModelFamily, device: torch.device, input_dtype: torch.dtype
+) -> tuple[Backend, int]:
+    """The backend and this rank's data-parallel index (which shard of each batch it reads).
+
+    The caller has seeded every rank alike, so `family.build` gives every rank the same weights.
+    """
+    layout = parallel_layout(config)
+    model = family.build(config.model)
+    if not layout.model_parallel:
+        backend = DeepSpeedBackend(model, family, config.deepspeed_config(), device, input_dtype)
+        return backend, torch.distributed.get_rank()
+    # DeepSpeed's grid creates the data-, tensor- and pipeline-parallel groups from the topology.
+    grid = PipelineParallelGrid(topology=layout.topology())
+    if layout.tensor > 1:
+        apply_tensor_parallel(model, family.tensor_parallel, grid.get_slice_parallel_group())
+    if layout.pipeline == 1:
+        backend = DeepSpeedBackend(model, family, config.deepspeed_config(), device, input_dtype, grid=grid)
+    else:
+        backend = PipelineBackend(
+            model,
+            family,
+            config.deepspeed_config(),
+            device,
+            input_dtype,
+            layout,
+            partition_method=config.parallel["pipeline_partition_method"],
+            activation_checkpoint_interval=config.parallel["pipeline_activation_checkpoint_interval"],
+        )
+    return backend, grid.get_data_parallel_rank()

@@ -1,0 +1,76 @@
+"""Full fp32 weights of a model-parallel run, gathered from the live ranks for the export.
+
+DeepSpeed's `zero_to_fp32` reads data-parallel checkpoints only: it knows neither how this
+engine's tensor-parallel layers cut a weight nor which pipeline stage holds which layer. So a
+tensor- or pipeline-parallel run gathers instead: each rank takes the fp32 value of its own
+parameters (DeepSpeed's `safe_get_full_fp32_param` assembles ZeRO-1/2 partitions across the
+data-parallel group), the tensor-parallel group joins its shards, and rank 0 collects one copy
+of every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param
+from torch import nn
+
+from models.tensor_parallel import SHARD_ATTRIBUTE, gather_tensor_parallel
+
+
+def tensor_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's and persistent buffer's name in the unsplit model, keyed by tensor identity,
+    so the pieces of it that pipeline stages hold can be named again at export."""
+    names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
+    for name, parameter in model.named_parameters():
+        names.setdefault(id(parameter), name)
+    return names
+
+
+def fp32_value(tensor: torch.Tensor, mixed_precision: bool) -> torch.Tensor:
+    """The fp32 master of a parameter when an optimizer keeps one, else the tensor itself."""
+    master = safe_get_full_fp32_param(tensor) if isinstance(tensor, nn.Parameter) else None
+    if master is not None:
+        return master.detach().float().cpu()
+    if mixed_precision and isinstance(tensor, nn.Parameter):
+        raise RuntimeError(
+            "the optimizer keeps no fp32 master for a parameter of this model-parallel run; under bf16/fp16 "
+            "use ZeRO stage 1 so the export can read full-precision weights"
+        )
+    value = tensor.detach().cpu()
+    return value.float() if value.is_floating_point() else value
+
+
+def gather_full_state(
+    module: nn.Module,
+    names: Mapping[int, str],
+    tensor_group: dist.ProcessGroup | None,
+    is_writer: bool,
+    mixed_precision: bool,
+) -> dict[str, torch.Tensor] | None:
+    """Rank 0's full state dict under the unsplit model's names; None on every other rank.
+
+    Collective over the world. `is_writer` marks the one rank per pipeline stage (data replica 0,
+    tensor shard 0) whose gathered stage is sent to rank 0.
+    """
+    local: dict[str, torch.Tensor] = {}
+    shards = {}
+    for tensor in module.state_dict(keep_vars=True).values():
+        name = names.get(id(tensor))
+        if name is None or name in local:
+            continue
+        local[name] = fp32_value(tensor, mixed_precision)
+        if hasattr(tensor, SHARD_ATTRIBUTE):
+            shards[name] = getattr(tensor, SHARD_ATTRIBUTE)
+    stage = gather_tensor_parallel(local, shards, tensor_group)
+    parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+    dist.gather_object(stage if is_writer else None, parts if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in (part or {}).items():
+            full.setdefault(name, value)
+    return full

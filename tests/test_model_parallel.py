@@ -1,0 +1,127 @@
+"""Pipeline stages, tensor-parallel shards and both together with data parallelism, launched
+for real under the deepspeed launcher, train the same numbers as one plain PyTorch process on
+the same global batch (fp32, CPU, gloo), and resume exactly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.launch import ROOT, launch
+from tests.support.reference import reference_run
+
+GPT, RESNET = "configs/tiny_gpt.json", "configs/tiny_resnet.json"
+PP2 = {"parallel.pipeline_parallel_size": 2}
+TP2 = {"parallel.tensor_parallel_size": 2}
+# Pipeline stages run the reference's own modules in the reference's order; measured: bit-identical
+# without clipping, within 1e-6 with it. Tensor parallelism splits each matmul, so sums are
+# reordered; Adam turns the last-bit differences into visible steps for elements whose gradient is
+# near eps, at most about lr per step (docs/design.md, "The tiny ResNet of the tests").
+PIPELINE_WEIGHT_TOLERANCE = 1e-6
+TENSOR_WEIGHT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    config: str
+    nproc: int
+    overrides: dict
+
+    @property
+    def weight_tolerance(self) -> float:
+        tensor = self.overrides.get("parallel.tensor_parallel_size", 1) > 1
+        return TENSOR_WEIGHT_TOLERANCE if tensor else PIPELINE_WEIGHT_TOLERANCE
+
+
+# The integration matrix: each row is launched exactly as a user would launch it.
+LAYOUTS = [
+    Layout("pp2_gpt_tied", GPT, 2, PP2),
+    Layout("pp2_resnet", RESNET, 2, PP2),
+    Layout(
+        "pp2_partition_by_type_checkpointed",
+        GPT,
+        2,
+        {**PP2, "parallel.pipeline_partition_method": "type", "parallel.pipeline_activation_checkpoint_interval": 1},
+    ),
+    Layout("tp2", GPT, 2, TP2),
+    Layout("tp2_dp2_zero2", GPT, 4, {**TP2, "zero_optimization.stage": 2}),
+    Layout("pp2_dp2_zero1", GPT, 4, {**PP2, "zero_optimization.stage": 1}),
+    Layout("pp2_tp2", GPT, 4, {**PP2, **TP2}),
+    Layout("pp2_tp2_dp2", GPT, 8, {**PP2, **TP2}),
+]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
+    run = launch(layout.config, layout.overrides, tmp_path / "run", nproc=layout.nproc)
+    reference = reference_run(layout.config, layout.overrides, world_size=layout.nproc)
+    assert len(run.losses) == 5
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert run.losses[-1] < run.losses[0]
+    assert_weights_match(run.exported_state_dict(), reference.model, layout.weight_tolerance)
+    assert "eval_loss" in run.records[-1]
+
+
+@pytest.mark.launch
+def test_start_up_prints_which_rank_holds_what(tmp_path: Path):
+    run = launch(GPT, {**PP2, **TP2}, tmp_path / "run", nproc=4)
+    log = run.stdout
+    assert "rank layout: 2 pipeline stage(s) x 1 data-parallel replica(s) x 2 tensor shard(s)" in log
+    assert "rank 3: stage 2/2 (layers " in log and "tensor shard 2/2, data replica 1/1" in log
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("parallel", [PP2, TP2], ids=["pp2", "tp2"])
+def test_resume_continues_exactly(parallel: dict, tmp_path: Path):
+    overrides = {**parallel, "trainer.max_steps": 6, "trainer.save_interval": 3}
+    straight = launch(GPT, overrides, tmp_path / "straight")
+    checkpoint = straight.output_dir / "checkpoints" / "step00000003"
+    resumed = launch(GPT, {**overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
+    assert [record["step"] for record in resumed.records] == [4, 5, 6]
+    assert resumed.losses == straight.losses[3:]
+    final, expected = resumed.exported_state_dict(), straight.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+
+
+@pytest.mark.parametrize(
+    "overrides,world_size,expected",
+    [
+        ({**PP2, "zero_optimization.stage": 2}, 2, "zero_optimization.stage: ZeRO-2 cannot run with pipeline"),
+        ({"parallel.pipeline_parallel_size": 3}, 3, "parallel.pipeline_parallel_size: 3 stages for a model of 2"),
+        ({"parallel.tensor_parallel_size": 4}, 4, "model.n_head: 2 heads cannot be split"),
+        ({**TP2, "zero_optimization.stage": 3}, 2, "zero_optimization.stage: ZeRO-3 does not combine"),
+        ({**PP2, **TP2}, 6, "parallel: world size 6 is not divisible by"),
+    ],
+)
+def test_invalid_layouts_are_refused_before_launch(overrides: dict, world_size: int, expected: str):
+    sets = [f"--set={key}={value}" for key, value in overrides.items()]
+    command = [sys.executable, "-m", "engine", "validate", GPT, "--world-size", str(world_size), *sets]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert expected in result.stderr
+
+
+def test_resnet_tensor_parallel_is_refused_before_launch():
+    command = [
+        sys.executable,
+        "-m",
+        "engine",
+        "validate",
+        RESNET,
+        "--world-size",
+        "2",
+        "--set=parallel.tensor_parallel_size=2",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "parallel.tensor_parallel_size: resnet models have no tensor-parallel form" in result.stderr
