@@ -13,6 +13,7 @@ from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
 from engine.hardware import detect_hardware
+from engine.parallel.layout import parallel_layout
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,9 @@ def _validate(args: argparse.Namespace) -> int:
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
     )
+    layout = parallel_layout(config)
+    if layout.model_parallel:
+        print(layout.describe())
     if args.print_resolved:
         print(json.dumps(doc, indent=2))
     return 0

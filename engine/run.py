@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import Backend, PipelineBackend, build_backend, parallel_layout
+from engine.backends import Backend, PipelineBackend, build_backend
 from engine.checkpoint import checkpoint_root, resume_target, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -26,6 +26,7 @@ from engine.distributed import (
 from engine.export import export_model, sample_text
 from engine.hardware import Hardware, detect_hardware
 from engine.metrics import MetricsLogger
+from engine.parallel.layout import parallel_layout
 from engine.train import LoopSettings, train
 from models import ModelFamily, get_family
 

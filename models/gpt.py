@@ -184,7 +184,7 @@ TENSOR_PARALLEL_PLAN = TensorParallelPlan(
     # GPT2Attention splits c_attn's output by split_size and counts num_heads: per rank, a share.
     per_rank_attributes={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
 )
-PIPELINE_BLOCK_TYPE = "GPT2Block"
+PIPELINE_BLOCK_TYPE = "GPT2Block"  # matched by search: the layer class is GPT2BlockPipe
 _TIED_EMBEDDING = "embedding"
 
 
@@ -219,7 +219,7 @@ class _PositionEmbedding(nn.Module):
         return self.drop(inputs_embeds + self.wpe(positions))
 
 
-class _Block(nn.Module):
+class GPT2BlockPipe(nn.Module):
     """A GPT2Block as a pipeline layer: hidden states in, hidden states out, with the causal mask
     GPT2Model would have built for it (None under SDPA, which masks causally itself)."""
 
@@ -243,7 +243,7 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
     return [
         TiedLayerSpec(_TIED_EMBEDDING, _TokenEmbedding, transformer.wte, tied_weight_attr="wte.weight"),
         _PositionEmbedding(transformer.wpe, transformer.drop),
-        *(_Block(block, model.config) for block in transformer.h),
+        *(GPT2BlockPipe(block, model.config) for block in transformer.h),
         transformer.ln_f,
         TiedLayerSpec(
             _TIED_EMBEDDING, _TokenEmbedding, transformer.wte, forward_fn=_tied_head, tied_weight_attr="wte.weight"

@@ -93,6 +93,18 @@ def test_resume_continues_exactly(parallel: dict, tmp_path: Path):
         assert torch.equal(final[name], expected[name]), name
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "parallel", [{**TP2, "zero_optimization.stage": 0}, {**PP2, "zero_optimization.stage": 1}], ids=["tp2", "pp2"]
+)
+def test_bf16_export_holds_the_fp32_masters(parallel: dict, tmp_path: Path):
+    """Under bf16 the model's weights are bf16; the export reads the optimizer's fp32 masters."""
+    run = launch(GPT, {**parallel, "bf16.enabled": True, "trainer.max_steps": 2}, tmp_path / "run")
+    weights = [tensor for name, tensor in run.exported_state_dict().items() if name.endswith("weight")]
+    assert all(tensor.dtype == torch.float32 for tensor in weights)
+    assert all((tensor.bfloat16().float() != tensor).any() for tensor in weights if tensor.dim() == 2)
+
+
 @pytest.mark.parametrize(
     "overrides,world_size,expected",
     [
@@ -125,3 +137,11 @@ def test_resnet_tensor_parallel_is_refused_before_launch():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "parallel.tensor_parallel_size: resnet models have no tensor-parallel form" in result.stderr
+
+
+def test_validate_prints_the_rank_layout_before_anything_launches():
+    command = [sys.executable, "-m", "engine", "validate", "configs/3d.json", "--world-size", "8"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "data-parallel 2" in result.stdout
+    assert "rank 6: stage 2/2, tensor shard 1/2, data replica 2/2" in result.stdout

@@ -3,7 +3,7 @@ evaluate, save and load, so the loop never knows which library is underneath."""
 
 from engine.backends.base import Backend
 from engine.backends.deepspeed_backend import DeepSpeedBackend
-from engine.backends.factory import build_backend, parallel_layout
+from engine.backends.factory import build_backend
 from engine.backends.pipeline_backend import PipelineBackend
 
-__all__ = ["Backend", "DeepSpeedBackend", "PipelineBackend", "build_backend", "parallel_layout"]
+__all__ = ["Backend", "DeepSpeedBackend", "PipelineBackend", "build_backend"]

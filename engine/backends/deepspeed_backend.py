@@ -20,7 +20,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
-from engine.parallel.consolidate import gather_full_state, tensor_names
+from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from models import ModelFamily
 
 
@@ -93,6 +93,7 @@ class DeepSpeedBackend(Backend):
                 self.grid.get_slice_parallel_group(),
                 is_writer=self.grid.get_data_parallel_rank() == 0 and self.grid.get_slice_parallel_rank() == 0,
                 mixed_precision=self._mixed_precision,
+                masters=fp16_optimizer_masters(self.engine.optimizer),
             )
         if dist.get_rank() != 0:
             return None

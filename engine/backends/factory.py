@@ -14,16 +14,9 @@ from engine.backends.base import Backend
 from engine.backends.deepspeed_backend import DeepSpeedBackend
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
-from engine.parallel.layout import ParallelLayout
+from engine.parallel.layout import parallel_layout
 from models import ModelFamily
 from models.tensor_parallel import apply_tensor_parallel
-
-
-def parallel_layout(config: EngineConfig) -> ParallelLayout:
-    parallel = config.parallel
-    return ParallelLayout(
-        data=config.dp_size, pipeline=parallel["pipeline_parallel_size"], tensor=parallel["tensor_parallel_size"]
-    )
 
 
 def build_backend(

@@ -19,7 +19,7 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
-from engine.parallel.consolidate import gather_full_state, tensor_names
+from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.layout import ParallelLayout
 from models import ModelFamily
 
@@ -133,4 +133,5 @@ class PipelineBackend(Backend):
             self.grid.get_slice_parallel_group(),
             is_writer=self.grid.get_data_parallel_rank() == 0 and self.grid.get_slice_parallel_rank() == 0,
             mixed_precision=self._mixed_precision,
+            masters=fp16_optimizer_masters(self.engine.optimizer),
         )

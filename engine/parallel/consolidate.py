@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
 
 from models.tensor_parallel import SHARD_ATTRIBUTE, gather_tensor_parallel
 
@@ -29,15 +30,41 @@ def tensor_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def fp32_value(tensor: torch.Tensor, mixed_precision: bool) -> torch.Tensor:
+def fp16_optimizer_masters(optimizer: object) -> dict[int, torch.Tensor]:
+    """The fp32 masters of DeepSpeed's ZeRO-0 fp16/bf16 optimizers, by parameter identity, which
+    they keep without the links ZeRO's accessor follows: FP16_UnfusedOptimizer one fp32 copy per
+    parameter (`fp32_groups`), FP16_Optimizer one flat tensor per group (`fp32_groups_flat`, laid
+    out as `_flatten_dense_tensors` lays out the group)."""
+    groups = getattr(optimizer, "fp16_groups", None)
+    if groups is None:
+        return {}
+    if hasattr(optimizer, "fp32_groups"):
+        masters = optimizer.fp32_groups
+    elif hasattr(optimizer, "fp32_groups_flat"):
+        masters = [
+            _unflatten_dense_tensors(flat, params)
+            for params, flat in zip(groups, optimizer.fp32_groups_flat, strict=True)
+        ]
+    else:
+        return {}
+    return {
+        id(parameter): master
+        for parameters, group_masters in zip(groups, masters, strict=True)
+        for parameter, master in zip(parameters, group_masters, strict=True)
+    }
+
+
+def fp32_value(tensor: torch.Tensor, mixed_precision: bool, masters: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """The fp32 master of a parameter when an optimizer keeps one, else the tensor itself."""
     master = safe_get_full_fp32_param(tensor) if isinstance(tensor, nn.Parameter) else None
+    if master is None:
+        master = masters.get(id(tensor))
     if master is not None:
         return master.detach().float().cpu()
     if mixed_precision and isinstance(tensor, nn.Parameter):
         raise RuntimeError(
-            "the optimizer keeps no fp32 master for a parameter of this model-parallel run; under bf16/fp16 "
-            "use ZeRO stage 1 so the export can read full-precision weights"
+            "the optimizer keeps no fp32 master for a parameter of this model-parallel run, so the export "
+            "cannot read full-precision weights"
         )
     value = tensor.detach().cpu()
     return value.float() if value.is_floating_point() else value
@@ -49,11 +76,13 @@ def gather_full_state(
     tensor_group: dist.ProcessGroup | None,
     is_writer: bool,
     mixed_precision: bool,
+    masters: Mapping[int, torch.Tensor],
 ) -> dict[str, torch.Tensor] | None:
     """Rank 0's full state dict under the unsplit model's names; None on every other rank.
 
     Collective over the world. `is_writer` marks the one rank per pipeline stage (data replica 0,
-    tensor shard 0) whose gathered stage is sent to rank 0.
+    tensor shard 0) whose gathered stage is sent to rank 0; `masters` are fp32 masters that
+    DeepSpeed's own accessor does not find (see `fp16_optimizer_masters`).
     """
     local: dict[str, torch.Tensor] = {}
     shards = {}
@@ -61,7 +90,7 @@ def gather_full_state(
         name = names.get(id(tensor))
         if name is None or name in local:
             continue
-        local[name] = fp32_value(tensor, mixed_precision)
+        local[name] = fp32_value(tensor, mixed_precision, masters)
         if hasattr(tensor, SHARD_ATTRIBUTE):
             shards[name] = getattr(tensor, SHARD_ATTRIBUTE)
     stage = gather_tensor_parallel(local, shards, tensor_group)

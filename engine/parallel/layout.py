@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from engine.config import EngineConfig
+
 
 @dataclass(frozen=True)
 class Coordinates:
@@ -55,3 +57,10 @@ class ParallelLayout:
                 f"tensor shard {where.tensor + 1}/{self.tensor}, data replica {where.data + 1}/{self.data}"
             )
         return "\n".join(lines)
+
+
+def parallel_layout(config: EngineConfig) -> ParallelLayout:
+    parallel = config.parallel
+    return ParallelLayout(
+        data=config.dp_size, pipeline=parallel["pipeline_parallel_size"], tensor=parallel["tensor_parallel_size"]
+    )
