@@ -9,10 +9,14 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+import yaml
+
 from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
 from engine.hardware import detect_hardware
+from engine.launcher import ACCELERATE_WRAPPERS, accelerate_settings
 from engine.parallel.layout import parallel_layout
 
 
@@ -55,9 +59,13 @@ def _validate(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     doc = config.document
+    if config.trainer["backend"] == "accelerate":
+        sharding = f"accelerate {ACCELERATE_WRAPPERS[config.zero_stage]}"
+    else:
+        sharding = f"DeepSpeed ZeRO-{config.zero_stage}"
     print(
         f"{args.config}: valid for {args.world_size} rank(s): {config.model['family']} {config.model['preset']}, "
-        f"ZeRO-{config.zero_stage}, {config.precision}, data-parallel {config.dp_size}, "
+        f"{sharding}, {config.precision}, data-parallel {config.dp_size}, "
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
     )
@@ -66,6 +74,22 @@ def _validate(args: argparse.Namespace) -> int:
         print(layout.describe())
     if args.print_resolved:
         print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _accelerate_config(args: argparse.Namespace) -> int:
+    hardware = detect_hardware()
+    on_cpu = hardware.device_type == "cpu"
+    processes = args.num_processes or (2 if on_cpu else torch.cuda.device_count())
+    try:
+        config = load_config(args.config, args.overrides, world_size=processes, hardware=hardware)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    settings, command = accelerate_settings(config.precision, processes, on_cpu)
+    args.output.write_text(yaml.safe_dump(settings, sort_keys=False))
+    print(f"wrote {args.output}; launch with:")
+    print("  " + command.format(file=args.output, config=args.config))
     return 0
 
 
@@ -86,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config")
     _add_overrides(train)
 
+    accelerate = commands.add_parser(
+        "accelerate-config", help="write the accelerate config file a config needs, and print the launch command"
+    )
+    accelerate.add_argument("config")
+    accelerate.add_argument("--num-processes", type=int, help="default: the GPUs here, or 2 CPU processes")
+    accelerate.add_argument("--output", type=Path, default=Path("accelerate_config.yaml"))
+    _add_overrides(accelerate)
+
     commands.add_parser("schema", help="print the config's JSON Schema")
     docs = commands.add_parser("docs", help="write the config reference generated from the schema")
     docs.add_argument("--output", type=Path, default=Path("docs/config_reference.md"))
@@ -95,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(args)
     if args.command == "train":
         return train_main(["--deepspeed_config", args.config, *(f"--set={item}" for item in args.overrides)])
+    if args.command == "accelerate-config":
+        return _accelerate_config(args)
     if args.command == "schema":
         print(json.dumps(SCHEMA, indent=2))
         return 0

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import Backend, PipelineBackend, build_backend
+from engine.backends import AccelerateBackend, Backend, PipelineBackend, build_backend
 from engine.checkpoint import checkpoint_root, resume_target, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -25,6 +25,7 @@ from engine.distributed import (
 )
 from engine.export import export_model, sample_text
 from engine.hardware import Hardware, detect_hardware
+from engine.launcher import launch_problems
 from engine.metrics import MetricsLogger
 from engine.parallel.layout import parallel_layout
 from engine.train import LoopSettings, train
@@ -90,6 +91,9 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     """Everything that can fail because of user input, done before any process group exists."""
     hardware = detect_hardware()
     config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
+    problems = launch_problems(config.trainer["backend"], config.precision, config.world_size)
+    if problems:
+        raise RunError("launch error:\n  " + "\n  ".join(problems))
     torch.set_num_threads(config.trainer["threads_per_rank"])
     bundle = load_data(config)
     config = settle_vocabulary(config, bundle)
@@ -183,6 +187,8 @@ def run(config_path: str, overrides: list[str]) -> int:
         start_step=start_step,
         progress_bar=trainer["progress_bar"],
     )
+    if isinstance(backend, AccelerateBackend):
+        logger.write(backend.describe())
     layout = parallel_layout(config)
     if layout.model_parallel:
         logger.write(layout.describe(backend.stage_layers() if isinstance(backend, PipelineBackend) else None))

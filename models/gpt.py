@@ -184,6 +184,13 @@ TENSOR_PARALLEL_PLAN = TensorParallelPlan(
     # GPT2Attention splits c_attn's output by split_size and counts num_heads: per rank, a share.
     per_rank_attributes={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
 )
+
+
+def shard_units(model: GPT2LMHeadModel) -> list[nn.Module]:
+    """The modules FSDP shards as one unit each: the transformer blocks (the rest goes with the root)."""
+    return list(model.transformer.h)
+
+
 PIPELINE_BLOCK_TYPE = "GPT2Block"  # matched by search: the layer class is GPT2BlockPipe
 _TIED_EMBEDDING = "embedding"
 

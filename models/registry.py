@@ -45,7 +45,8 @@ class ModelFamily:
 
     `compute_loss` and `eval_sums` receive the module itself or a wrapper that forwards calls to it
     (a DeepSpeed engine), so they only call the model and never reach into its attributes.
-    `tensor_parallel` is None for a family that cannot be split by layer.
+    `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
+    submodules FSDP wraps one by one.
     """
 
     name: str
@@ -59,6 +60,7 @@ class ModelFamily:
     load_export: Callable[[Path], torch.nn.Module]
     pipeline: PipelineForm
     tensor_parallel: TensorParallelPlan | None
+    shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
 
 
 def _family(name: str, module: ModuleType) -> ModelFamily:
@@ -83,6 +85,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
             num_blocks=module.pipeline_blocks,
         ),
         tensor_parallel=getattr(module, "TENSOR_PARALLEL_PLAN", None),
+        shard_units=module.shard_units,
     )
 
 

@@ -118,6 +118,13 @@ def residual_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
 
 
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP shards as one unit each: the four residual stages."""
+    if isinstance(model, ResNetForImageClassification):
+        return list(model.resnet.encoder.stages)
+    return [model.layer1, model.layer2, model.layer3, model.layer4]
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each residual block in the backward pass instead of keeping its activations.
 

@@ -121,11 +121,17 @@ def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str
 
 
 @pytest.mark.launch
-def test_launch_script_runs_two_cpu_processes(tmp_path: Path):
+@pytest.mark.parametrize(
+    "launcher,command",
+    [("deepspeed", "+ deepspeed --num_gpus 2"), ("accelerate", "+ accelerate launch --num_processes 2")],
+)
+def test_launch_script_runs_two_cpu_processes(launcher: str, command: str, tmp_path: Path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [
             "./launch.sh",
+            "--launcher",
+            launcher,
             "--nproc",
             "2",
             "--master-port",
@@ -143,7 +149,7 @@ def test_launch_script_runs_two_cpu_processes(tmp_path: Path):
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "+ deepspeed --num_gpus 2" in result.stderr
+    assert command in result.stderr
     assert "on 2 rank(s)" in result.stdout + result.stderr
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert [r["step"] for r in read_run(tmp_path).records] == [1, 2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
+from engine.backends.accelerate_backend import AccelerateBackend
 from engine.backends.base import Backend
 from engine.backends.deepspeed_backend import DeepSpeedBackend
 from engine.backends.pipeline_backend import PipelineBackend
@@ -28,6 +29,8 @@ def build_backend(
     """
     layout = parallel_layout(config)
     model = family.build(config.model)
+    if config.trainer["backend"] == "accelerate":
+        return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
     if not layout.model_parallel:
         backend = DeepSpeedBackend(model, family, config.deepspeed_config(), device, input_dtype)
         return backend, torch.distributed.get_rank()

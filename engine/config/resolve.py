@@ -16,6 +16,7 @@ from engine.config.batch import solve_batch_triple
 from engine.config.rules import data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.hardware import Hardware
+from engine.launcher import effective_backend
 from models import get_family
 
 # DeepSpeed's own values where the model does not suggest better ones.
@@ -92,6 +93,7 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     if doc["data"]["seq_len"] == AUTO:
         doc["data"]["seq_len"] = architecture.get("n_positions")
     trainer = doc["trainer"]
+    trainer["backend"] = effective_backend(trainer["backend"])
     if trainer["output_dir"] == AUTO:
         trainer["output_dir"] = str(Path("runs") / (source.stem if source else "default"))
     if trainer["threads_per_rank"] == AUTO:

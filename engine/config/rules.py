@@ -15,6 +15,7 @@ from engine.config.batch import BatchError, solve_batch_triple
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
 from engine.hardware import Hardware
+from engine.launcher import effective_backend
 from models import get_family
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
@@ -162,7 +163,8 @@ def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> It
                 "torch_adam under offload_optimizer is refused by DeepSpeed (zero_force_ds_cpu_optimizer); "
                 "drop torch_adam so DeepSpeedCPUAdam runs",
             )
-    if optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
+    deepspeed = effective_backend(document["trainer"]["backend"]) == "deepspeed"
+    if deepspeed and optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
         yield ConfigIssue(
             "zero_allow_untested_optimizer",
             "DeepSpeed runs SGD under ZeRO only with zero_allow_untested_optimizer: true; set it or use Adam/AdamW",
@@ -235,6 +237,31 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
         yield ConfigIssue("trainer.resume", f"{resume!r} is not a checkpoint directory")
 
 
+def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """What the accelerate backend (DDP / torch FSDP2) cannot honour of a DeepSpeed-shaped config."""
+    if effective_backend(document["trainer"]["backend"]) != "accelerate":
+        return
+    for key in ("pipeline_parallel_size", "tensor_parallel_size"):
+        if document["parallel"][key] > 1:
+            yield ConfigIssue(
+                f"parallel.{key}",
+                "pipeline and tensor parallelism run on the DeepSpeed backend only; set it to 1, or launch with "
+                'deepspeed and trainer.backend "deepspeed"',
+            )
+    if document["zero_optimization"]["stage"] == 1:
+        yield ConfigIssue(
+            "zero_optimization.stage",
+            "FSDP has no optimizer-only sharding; under the accelerate backend use 0 (DDP), 2 (FSDP sharding "
+            "gradients and optimizer states) or 3 (FSDP sharding parameters too)",
+        )
+    if document["fp16"]["enabled"] is True:
+        yield ConfigIssue(
+            "fp16.enabled",
+            "the accelerate backend trains in fp32 or bf16 (fp16 needs a loss scaler it does not run); use bf16, "
+            "or the DeepSpeed backend",
+        )
+
+
 RULES: tuple[Rule, ...] = (
     check_parallel_layout,
     check_pipeline,
@@ -246,6 +273,7 @@ RULES: tuple[Rule, ...] = (
     check_model,
     check_data,
     check_trainer,
+    check_accelerate_backend,
 )
 
 

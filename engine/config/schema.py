@@ -420,6 +420,13 @@ _DATA = _object(
 _TRAINER = _object(
     "The training loop.",
     {
+        "backend": _enum(
+            ["auto", "deepspeed", "accelerate"],
+            "Which library trains: DeepSpeed (ZeRO, offload, pipeline and tensor parallelism) or accelerate "
+            '(DDP for ZeRO stage 0, torch FSDP2 for stages 2 and 3). "auto": accelerate when started by '
+            "`accelerate launch`, DeepSpeed otherwise.",
+            "auto",
+        ),
         "max_steps": _integer("Optimizer steps to run.", 1000, minimum=1),
         "seed": _integer("Seeds model initialisation, data order and augmentation.", 1234, minimum=0),
         "output_dir": {

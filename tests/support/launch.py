@@ -1,5 +1,5 @@
-"""Launching the engine the way users do (the real `deepspeed` launcher, real processes) and
-reading back what a run wrote."""
+"""Launching the engine the way users do (the real `deepspeed` and `accelerate` launchers, real
+processes) and reading back what a run wrote."""
 
 from __future__ import annotations
 
@@ -42,19 +42,27 @@ class Run:
 
 def launch(config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2) -> Run:
     """Train `config` with `nproc` processes under the deepspeed launcher; fail with its output."""
+    launcher = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(free_port())]
+    return _launch(launcher, config, overrides, output_dir, {})
+
+
+def launch_accelerate(
+    config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2, config_file: Path | None = None
+) -> Run:
+    """Train `config` under `accelerate launch` with the spelling that really starts `nproc` CPU
+    processes in one world (ACCELERATE_USE_CPU=1 and --multi_gpu, or a MULTI_GPU config file)."""
+    if config_file is None:
+        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc)]
+    else:
+        launcher = ["accelerate", "launch", "--config_file", str(config_file)]
+    launcher += ["--main_process_port", str(free_port())]
+    return _launch(launcher, config, overrides, output_dir, {"ACCELERATE_USE_CPU": "1"})
+
+
+def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]) -> Run:
     sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
-    command = [
-        "deepspeed",
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "engine/main.py",
-        "--deepspeed_config",
-        config,
-        *sets,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [*launcher, "engine/main.py", "--deepspeed_config", config, *sets]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if result.returncode != 0:
         raise AssertionError(

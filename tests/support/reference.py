@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from deepspeed.ops.adam import DeepSpeedCPUAdam
-from deepspeed.runtime import lr_schedules
 
 from data import make_train_loader
 from engine.config import EngineConfig, load_config
 from engine.hardware import detect_hardware
+from engine.optim import build_optimizer, build_scheduler
 from engine.run import load_data, seed_everything, settle_vocabulary
 from models import get_family
 
@@ -25,25 +24,6 @@ class ReferenceRun:
     config: EngineConfig
     losses: list[float]
     model: torch.nn.Module
-
-
-def build_optimizer(section: dict, model: torch.nn.Module, offload: bool) -> torch.optim.Optimizer:
-    """The optimizer the config selects, on plain parameters.
-
-    Under optimizer offload DeepSpeed runs its C++ CPU Adam, whose arithmetic differs from torch's
-    Adam in the last bit; the reference uses the same class, so the comparison measures what
-    ZeRO and offload do (partitioning, moving, reducing), not two Adam kernels.
-    """
-    params = dict(section["params"])
-    if section["type"] == "SGD":
-        return torch.optim.SGD(model.parameters(), **params)
-    # DeepSpeed treats "Adam" as AdamW unless adam_w_mode is false.
-    decoupled = section["type"] == "AdamW" or params.get("adam_w_mode", True)
-    params.pop("adam_w_mode", None)
-    params.pop("torch_adam", None)
-    if offload:
-        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=decoupled, **params)
-    return (torch.optim.AdamW if decoupled else torch.optim.Adam)(model.parameters(), **params)
 
 
 def reference_run(config_path: str, overrides: dict[str, object], world_size: int) -> ReferenceRun:
@@ -64,11 +44,12 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     seed_everything(trainer["seed"])
     model = family.build(config.model)
     model.train()
-    offload = doc["zero_optimization"]["offload_optimizer"]["device"] != "none"
-    optimizer = build_optimizer(doc["optimizer"], model, offload)
-    scheduler = None
-    if doc.get("scheduler"):
-        scheduler = getattr(lr_schedules, doc["scheduler"]["type"])(optimizer, **doc["scheduler"]["params"])
+    offload = doc["zero_optimization"]["offload_optimizer"]["device"] != "none" and trainer["backend"] == "deepspeed"
+    # Under optimizer offload DeepSpeed runs its C++ CPU Adam, whose arithmetic differs from torch's
+    # Adam in the last bit; the reference uses the same class, so the comparison measures what
+    # ZeRO and offload do (partitioning, moving, reducing), not two Adam kernels.
+    optimizer = build_optimizer(doc["optimizer"], model.parameters(), cpu_adam=offload)
+    scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, dp = doc["gradient_accumulation_steps"], config.dp_size
     loaders = [
         make_train_loader(

@@ -1,0 +1,193 @@
+"""accelerate as the fallback backend: plain DDP and FSDP from the same DeepSpeed-shaped config.
+
+`zero_optimization.stage` picks the wrapper, so one config means the same layout under both
+backends: 0 is DDP (accelerate's `prepare_model`), 2 shards gradients and optimizer states and
+3 parameters too (torch FSDP2 `fully_shard`, one unit per block plus the root, resharding after
+forward only at stage 3); either offload key moves parameters, gradients and the optimizer step
+to the CPU (`CPUOffloadPolicy`). FSDP is applied with torch's own API rather than accelerate's
+plugin because the plugin does not shard on CPU: FSDP2 silently degrades to DDP there and FSDP1
+fails looking for a device. Optimizer and schedule come from the same DeepSpeed keys
+(`engine/optim.py`); checkpoints are torch distributed checkpoints in the same
+`checkpoints/stepNNNNNNNN` + `latest` layout as DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.backends.base import Backend, Batch, to_device
+from engine.checkpoint import LATEST
+from engine.config import EngineConfig
+from engine.launcher import ACCELERATE_WRAPPERS
+from engine.optim import build_optimizer, build_scheduler
+from models import ModelFamily
+
+_ENGINE_STATE = "engine_state.pt"
+
+
+def wrapper_for(config: EngineConfig) -> str:
+    return ACCELERATE_WRAPPERS[config.zero_stage]
+
+
+def offloads(config: EngineConfig) -> bool:
+    zero = config.document["zero_optimization"]
+    return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
+
+
+def local_parameter_elements(model: torch.nn.Module) -> int:
+    """Elements of the parameters this rank holds: its shard of a sharded parameter."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+class AccelerateBackend(Backend):
+    def __init__(self, model: torch.nn.Module, family: ModelFamily, config: EngineConfig, device: torch.device):
+        document = config.document
+        self.family, self.device = family, device
+        self.wrapper = wrapper_for(config)
+        self._accumulation = document["gradient_accumulation_steps"]
+        self._clipping = document["gradient_clipping"]
+        self._autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
+        self.accelerator = Accelerator(cpu=device.type == "cpu")
+        if self.wrapper == "ddp":
+            self.model = self.accelerator.prepare_model(model)
+        else:
+            full = self.wrapper == "fsdp_full"
+            self.model = _fully_shard(model, family, device, reshard=full, offload=offloads(config))
+        self.optimizer = build_optimizer(document["optimizer"], [p for p in self.model.parameters() if p.requires_grad])
+        self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
+        self._check_wrapper()
+
+    def _check_wrapper(self) -> None:
+        """Refuse to train in a layout other than the one asked for (never a silent fallback)."""
+        world = dist.get_world_size()
+        if self.accelerator.num_processes != world:
+            raise RuntimeError(f"accelerate sees {self.accelerator.num_processes} process(es), torch {world}")
+        wrapped = (
+            isinstance(self.model, FSDPModule)
+            if self.wrapper != "ddp"
+            else (world == 1 or isinstance(self.model, DistributedDataParallel))
+        )
+        if not wrapped:
+            raise RuntimeError(f"the model is a {type(self.model).__name__}, not the {self.wrapper} asked for")
+
+    def describe(self) -> str:
+        counts = torch.tensor([local_parameter_elements(self.model)], dtype=torch.long)
+        gathered = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, counts)
+        total = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its global size
+        return (
+            f"accelerate backend: {self.wrapper} on {dist.get_world_size()} process(es); parameter elements per "
+            f"rank: {[int(count) for count in gathered]} of {total}"
+        )
+
+    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced on the last micro-batch of a step only."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        if sync or not isinstance(self.model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_step in range(self._accumulation):
+            batch = to_device(next(batches), self.device, torch.float32)
+            with self._gradient_sync(micro_step == self._accumulation - 1):
+                with self._autocast():
+                    loss = self.family.compute_loss(self.model, batch)
+                (loss / self._accumulation).backward()
+            loss_sum += loss.detach().float()
+        if self._clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clipping)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / self._accumulation
+
+    def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
+        self.model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), self._autocast():
+            for batch in batches:
+                sums = self.family.eval_sums(self.model, to_device(batch, self.device, torch.float32))
+                for key, value in sums.items():
+                    totals[key] = totals.get(key, 0) + value.detach().double()
+        self.model.train()
+        return totals
+
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        path = checkpoint_dir / tag
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+        if dist.get_rank() == 0:
+            scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+            torch.save({"client_state": client_state, "scheduler": scheduler}, path / _ENGINE_STATE)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            # Written last, as DeepSpeed writes its own: a resume never picks a half-written tag.
+            (checkpoint_dir / LATEST).write_text(tag)
+
+    def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
+        path = checkpoint_dir / tag
+        if not (path / _ENGINE_STATE).is_file():
+            raise FileNotFoundError(
+                f"{path} is not a checkpoint of the accelerate backend (no {_ENGINE_STATE}); a DeepSpeed "
+                "checkpoint resumes under the DeepSpeed backend"
+            )
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        saved = torch.load(path / _ENGINE_STATE, map_location="cpu", weights_only=False)
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        return saved["client_state"]
+
+    def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
+        # The live model holds exactly what checkpoint `tag` saved: it is the last save of the run.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+        return {name: value.float() if value.is_floating_point() else value for name, value in state.items()}
+
+
+def _fully_shard(
+    model: torch.nn.Module, family: ModelFamily, device: torch.device, *, reshard: bool, offload: bool
+) -> torch.nn.Module:
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    if not offload:
+        model.to(device)
+    for unit in family.shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    return model

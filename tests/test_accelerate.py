@@ -1,0 +1,162 @@
+"""The accelerate backend, launched for real with `accelerate launch` (2 CPU processes, gloo):
+DDP and torch FSDP2 from the same JSON config train the same numbers as the single-process
+reference and as the DeepSpeed backend, FSDP really shards, resume is exact, and the launcher's
+own settings cannot contradict the config."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import get_family
+from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.launch import ROOT, free_port, launch, launch_accelerate
+from tests.support.reference import reference_run
+
+CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
+# FSDP sums the clipping norm from shards, so clip coefficients differ in the last bit; Adam turns
+# that into visible steps for elements whose gradient is near eps (see test_parity.py).
+WEIGHT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    name: str
+    overrides: dict
+    sharded: bool
+
+
+WRAPPERS = [
+    Wrapper("ddp", {"zero_optimization.stage": 0}, sharded=False),
+    Wrapper("fsdp_grad_op", {"zero_optimization.stage": 2}, sharded=True),
+    Wrapper("fsdp_full", {"zero_optimization.stage": 3}, sharded=True),
+    Wrapper(
+        "fsdp_offload", {"zero_optimization.stage": 3, "zero_optimization.offload_param.device": "cpu"}, sharded=True
+    ),
+]
+
+
+def parameter_elements_per_rank(stdout: str) -> tuple[list[int], int]:
+    match = re.search(r"parameter elements per rank: \[([\d, ]+)\] of (\d+)", stdout)
+    assert match, stdout[-3000:]
+    return [int(count) for count in match.group(1).split(",")], int(match.group(2))
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("wrapper", WRAPPERS, ids=[wrapper.name for wrapper in WRAPPERS])
+def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrapper, tmp_path: Path):
+    run = launch_accelerate(CONFIGS[family], wrapper.overrides, tmp_path / "run")
+    reference = reference_run(CONFIGS[family], {**wrapper.overrides, "trainer.backend": "accelerate"}, world_size=2)
+    assert len(run.losses) == 5
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
+    assert f"accelerate backend: {wrapper.name.replace('_offload', '_full')} on 2 process(es)" in run.stdout
+    per_rank, total = parameter_elements_per_rank(run.stdout)
+    if wrapper.sharded:
+        # Each parameter is split in two along its first dimension; odd sizes round one way.
+        assert sum(per_rank) == total
+        assert all(abs(count - total / 2) <= total * 0.01 for count in per_rank), per_rank
+    else:
+        assert per_rank == [total, total]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [0, 2, 3], ids=["ddp_vs_zero0", "fsdp_grad_op_vs_zero2", "fsdp_full_vs_zero3"])
+def test_accelerate_equals_the_deepspeed_backend_on_the_same_config(stage: int, tmp_path: Path):
+    overrides = {"zero_optimization.stage": stage}
+    accelerate = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "accelerate")
+    deepspeed = launch(CONFIGS["gpt"], overrides, tmp_path / "deepspeed")
+    assert max_loss_difference(accelerate.losses, deepspeed.losses) <= LOSS_TOLERANCE
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [0, 3], ids=["ddp", "fsdp_full"])
+def test_accelerate_resume_continues_exactly(stage: int, tmp_path: Path):
+    overrides = {
+        "zero_optimization.stage": stage,
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}},
+        "trainer.max_steps": 6,
+        "trainer.save_interval": 3,
+    }
+    straight = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "straight")
+    checkpoint = straight.output_dir / "checkpoints" / "step00000003"
+    resumed = launch_accelerate(CONFIGS["gpt"], {**overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
+    assert [record["step"] for record in resumed.records] == [4, 5, 6]
+    assert resumed.losses == straight.losses[3:]
+    assert [record["lr"] for record in resumed.records] == [record["lr"] for record in straight.records[3:]]
+    final, expected = resumed.exported_state_dict(), straight.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+    exported = get_family("gpt").load_export(resumed.output_dir / "export")
+    assert torch.equal(exported.transformer.wte.weight, final["transformer.wte.weight"])
+
+
+@pytest.mark.launch
+def test_bf16_fsdp_trains_and_exports_fp32_weights(tmp_path: Path):
+    run = launch_accelerate(CONFIGS["gpt"], {"zero_optimization.stage": 3, "bf16.enabled": True}, tmp_path / "run")
+    assert run.losses[-1] < run.losses[0]
+    reference = reference_run(CONFIGS["gpt"], {"trainer.backend": "accelerate"}, world_size=2)
+    # Autocast computes in bf16 (about 3 significant digits); the weights stay fp32.
+    assert max_loss_difference(run.losses, reference.losses) <= 2e-2
+    assert all(tensor.dtype == torch.float32 for tensor in run.exported_state_dict().values())
+
+
+@pytest.mark.launch
+def test_written_accelerate_config_file_launches_the_run(tmp_path: Path):
+    config_file = tmp_path / "accelerate.yaml"
+    command = [sys.executable, "-m", "engine", "accelerate-config", CONFIGS["gpt"], "--output", str(config_file)]
+    written = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --config_file" in written.stdout
+    run = launch_accelerate(CONFIGS["gpt"], {}, tmp_path / "run", config_file=config_file)
+    assert "accelerate backend: ddp on 2 process(es)" in run.stdout
+    assert len(run.losses) == 5
+
+
+def _accelerate(arguments: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    command = ["accelerate", "launch", *arguments, "engine/main.py", "--deepspeed_config", CONFIGS["gpt"]]
+    command.append(f"--set=trainer.output_dir={tmp_path}")
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.launch
+def test_accelerate_cpu_flag_running_one_process_is_refused(tmp_path: Path):
+    result = _accelerate(["--cpu", "--num_processes", "2"], tmp_path, {})
+    assert result.returncode != 0
+    assert "accelerate launch asked for 2 processes but started a world of 1" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.launch
+def test_launcher_precision_contradicting_the_config_is_refused(tmp_path: Path):
+    arguments = ["--multi_gpu", "--num_processes", "2", "--mixed_precision", "bf16"]
+    arguments += ["--main_process_port", str(free_port())]
+    result = _accelerate(arguments, tmp_path, {"ACCELERATE_USE_CPU": "1"})
+    assert result.returncode != 0
+    assert "accelerate launch was given mixed precision 'bf16' but the config trains in fp32" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({"zero_optimization.stage": 1}, "zero_optimization.stage: FSDP has no optimizer-only sharding"),
+        ({"parallel.pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: pipeline and tensor parallelism"),
+        ({"fp16.enabled": True}, "fp16.enabled: the accelerate backend trains in fp32 or bf16"),
+    ],
+)
+def test_what_the_accelerate_backend_cannot_do_is_refused(overrides: dict, expected: str):
+    overrides = {**overrides, "trainer.backend": "accelerate"}
+    sets = [f"--set={key}={str(value).lower()}" for key, value in overrides.items()]
+    command = [sys.executable, "-m", "engine", "validate", CONFIGS["gpt"], "--world-size", "2", "--no-hardware-check"]
+    result = subprocess.run([*command, *sets], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert expected in result.stderr
