@@ -77,12 +77,14 @@ def launch_problems(backend: str, precision: str, world_size: int) -> list[str]:
         )
     if backend != "accelerate" or detect_launcher() != "accelerate":
         return problems
-    launcher_precision = _ACCELERATE_PRECISION.get(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"), "another")
-    if launcher_precision != precision:
+    # "no" is also accelerate's default when the flag is absent, so only a requested mixed precision
+    # can contradict the config.
+    launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher_precision != "no" and _ACCELERATE_PRECISION.get(launcher_precision) != precision:
         problems.append(
-            f"accelerate launch was given mixed precision {os.environ.get('ACCELERATE_MIXED_PRECISION')!r} but the "
-            f"config trains in {precision}; precision comes from the config's bf16/fp16 keys, so drop "
-            "--mixed_precision or write the accelerate settings with `python -m engine accelerate-config`"
+            f"accelerate launch was given mixed precision {launcher_precision!r} but the config trains in "
+            f"{precision}; precision comes from the config's bf16/fp16 keys, so drop --mixed_precision or write "
+            "the accelerate settings with `python -m engine accelerate-config`"
         )
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         problems.append(

@@ -30,15 +30,22 @@ WEIGHT_TOLERANCE = 1e-4
 class Wrapper:
     name: str
     overrides: dict
-    sharded: bool
+    wrapper: str  # what the run must report wrapping the model in
+
+    @property
+    def sharded(self) -> bool:
+        return self.wrapper != "ddp"
 
 
+# Accumulation runs 2 micro-batches per step, the first without gradient synchronisation.
 WRAPPERS = [
-    Wrapper("ddp", {"zero_optimization.stage": 0}, sharded=False),
-    Wrapper("fsdp_grad_op", {"zero_optimization.stage": 2}, sharded=True),
-    Wrapper("fsdp_full", {"zero_optimization.stage": 3}, sharded=True),
+    Wrapper("ddp", {"zero_optimization.stage": 0}, "ddp"),
+    Wrapper("ddp_accumulate", {"zero_optimization.stage": 0, "gradient_accumulation_steps": 2}, "ddp"),
+    Wrapper("fsdp_grad_op", {"zero_optimization.stage": 2}, "fsdp_grad_op"),
+    Wrapper("fsdp_full", {"zero_optimization.stage": 3}, "fsdp_full"),
+    Wrapper("fsdp_full_accumulate", {"zero_optimization.stage": 3, "gradient_accumulation_steps": 2}, "fsdp_full"),
     Wrapper(
-        "fsdp_offload", {"zero_optimization.stage": 3, "zero_optimization.offload_param.device": "cpu"}, sharded=True
+        "fsdp_offload", {"zero_optimization.stage": 3, "zero_optimization.offload_param.device": "cpu"}, "fsdp_full"
     ),
 ]
 
@@ -49,16 +56,26 @@ def parameter_elements_per_rank(stdout: str) -> tuple[list[int], int]:
     return [int(count) for count in match.group(1).split(",")], int(match.group(2))
 
 
+# Accumulation is checked on GPT: the tiny ResNet's BatchNorm over micro-batches of 4 amplifies
+# reduction-order noise past 1e-5 by step 5 (measured 1.1e-5 under FSDP), which says nothing about
+# the accumulation itself.
+CASES = [
+    (family, wrapper)
+    for family in sorted(CONFIGS)
+    for wrapper in WRAPPERS
+    if family == "gpt" or "gradient_accumulation_steps" not in wrapper.overrides
+]
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("wrapper", WRAPPERS, ids=[wrapper.name for wrapper in WRAPPERS])
+@pytest.mark.parametrize("family,wrapper", CASES, ids=[f"{family}-{wrapper.name}" for family, wrapper in CASES])
 def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrapper, tmp_path: Path):
     run = launch_accelerate(CONFIGS[family], wrapper.overrides, tmp_path / "run")
     reference = reference_run(CONFIGS[family], {**wrapper.overrides, "trainer.backend": "accelerate"}, world_size=2)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
-    assert f"accelerate backend: {wrapper.name.replace('_offload', '_full')} on 2 process(es)" in run.stdout
+    assert f"accelerate backend: {wrapper.wrapper} on 2 process(es)" in run.stdout
     per_rank, total = parameter_elements_per_rank(run.stdout)
     if wrapper.sharded:
         # Each parameter is split in two along its first dimension; odd sizes round one way.

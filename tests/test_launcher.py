@@ -45,9 +45,12 @@ def test_launcher_settings_contradicting_the_config_are_named(clean_env):
     problems = launch_problems("accelerate", "fp32", world_size=1)
     assert any("mixed precision 'bf16' but the config trains in fp32" in problem for problem in problems)
     assert any("--use_fsdp" in problem for problem in problems)
-    clean_env.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    clean_env.setenv("ACCELERATE_MIXED_PRECISION", "no")  # also accelerate's default without the flag
     clean_env.setenv("ACCELERATE_USE_FSDP", "false")
     assert launch_problems("accelerate", "fp32", world_size=1) == []
+    assert launch_problems("accelerate", "bf16", world_size=1) == []
+    clean_env.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert launch_problems("accelerate", "bf16", world_size=1) == []
 
 
 def test_accelerate_settings_start_one_world_on_cpu():
