@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
 # The front door: ./launch.sh [--launcher deepspeed|accelerate] [--nproc N] [--master-port P] CONFIG [--set path=value ...]
+#        multi-node: ./launch.sh --hostfile H [--include S | --exclude S | --num-nodes N]
+#                    [--no-ssh --node-rank R --master-addr A] [--master-port P] CONFIG ...
 #
 # Starts engine/main.py under the deepspeed launcher (default) or `accelerate launch` on every local
 # GPU, or, on a machine without GPUs, on N CPU processes (default: 2, or 1 on a single core) talking
 # over gloo. The deepspeed launcher cannot count CPU "devices", so --num_gpus is always passed; on
 # CPU, accelerate starts one world of N processes only as ACCELERATE_USE_CPU=1 with --multi_gpu.
 # Everything after CONFIG goes to the engine. The exact command is printed, and its exit code is
-# this script's.
+# this script's. With --hostfile the deepspeed launcher starts the hosts' slots (over pdsh/ssh, or
+# with --no-ssh one node per invocation); the hostfile is checked and the world size it implies
+# validated against the config first.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
-nproc_arg="" master_port="" launcher="deepspeed"
+nproc_arg="" master_port="" launcher="deepspeed" hostfile="" node_rank="" master_addr="" no_ssh=0
+include="" exclude="" num_nodes=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --launcher) launcher="$2"; shift 2 ;;
+    --hostfile) hostfile="$2"; shift 2 ;;
+    --include) include="$2"; shift 2 ;;
+    --exclude) exclude="$2"; shift 2 ;;
+    --num-nodes) num_nodes="$2"; shift 2 ;;
+    --no-ssh) no_ssh=1; shift ;;
+    --node-rank) node_rank="$2"; shift 2 ;;
+    --master-addr) master_addr="$2"; shift 2 ;;
     --nproc) nproc_arg="$2"; shift 2 ;;
     --master-port) master_port="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
@@ -38,18 +50,41 @@ else
   nproc=$(( cores >= 2 ? 2 : 1 ))
 fi
 if [[ -z "$master_port" ]]; then
+  [[ -z "$hostfile" ]] || { echo "launch.sh: --hostfile needs --master-port (every node must agree on it)" >&2; exit 2; }
   # 29500, DeepSpeed's default, is often taken on shared machines.
   master_port=$("$PYTHON" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+elif [[ -z "$node_rank" || "$node_rank" == 0 ]]; then
+  "$PYTHON" -c "import socket, sys; s=socket.socket(); s.bind(('', int(sys.argv[1])))" "$master_port" 2>/dev/null \
+    || { echo "launch.sh: master port $master_port is in use on this node; pick another with --master-port" >&2; exit 2; }
 fi
 
 # Validate once, before any process starts, for the world size and backend about to be launched.
 backend=()
 [[ "$launcher" == accelerate ]] && backend=(--set trainer.backend=accelerate)
-"$PYTHON" -m engine validate "$config" --world-size "$nproc" "${backend[@]}" "$@" >/dev/null
+world=(--world-size "$nproc")
+hosts=()
+if [[ -n "$hostfile" ]]; then
+  [[ "$launcher" == deepspeed ]] || { echo "launch.sh: --hostfile is for the deepspeed launcher" >&2; exit 2; }
+  world=(--hostfile "$hostfile" --include "$include" --exclude "$exclude" --num-nodes "${num_nodes:--1}")
+  hosts=(--hostfile "$hostfile")
+  [[ -z "$include" ]] || hosts+=(--include "$include")
+  [[ -z "$exclude" ]] || hosts+=(--exclude "$exclude")
+  [[ -z "$num_nodes" ]] || hosts+=(--num_nodes "$num_nodes")
+  if [[ "$no_ssh" == 1 ]]; then
+    [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --no-ssh needs --node-rank and --master-addr" >&2; exit 2; }
+    hosts+=(--no_ssh --node_rank "$node_rank")
+  fi
+  [[ -z "$master_addr" ]] || hosts+=(--master_addr "$master_addr")
+fi
+"$PYTHON" -m engine validate "$config" "${world[@]}" "${backend[@]}" "$@" >/dev/null
 
 case "$launcher" in
   deepspeed)
-    cmd=(deepspeed --num_gpus "$nproc" --master_port "$master_port") ;;
+    if [[ -n "$hostfile" ]]; then
+      cmd=(deepspeed "${hosts[@]}" --master_port "$master_port")
+    else
+      cmd=(deepspeed --num_gpus "$nproc" --master_port "$master_port")
+    fi ;;
   accelerate)
     if [[ "$gpus" -eq 0 && "$nproc" -gt 1 ]]; then
       export ACCELERATE_USE_CPU=1

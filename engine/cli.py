@@ -16,6 +16,7 @@ from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
 from engine.hardware import detect_hardware
+from engine.hostfile import HostfileError, hostfile_world_size
 from engine.launcher import ACCELERATE_WRAPPERS, accelerate_settings
 from engine.parallel.layout import parallel_layout
 
@@ -46,6 +47,12 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    if args.hostfile is not None:
+        try:
+            args.world_size = hostfile_world_size(args.hostfile, args.include, args.exclude, args.num_nodes)
+        except HostfileError as error:
+            print(f"hostfile error: {error}", file=sys.stderr)
+            return 2
     hardware = detect_hardware(local_world_size=args.world_size)
     try:
         config = load_config(
@@ -100,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="check a config completely, without starting anything")
     validate.add_argument("config")
     validate.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    validate.add_argument("--hostfile", type=Path, help="a DeepSpeed hostfile: the world size is its slots")
+    validate.add_argument("--include", default="", help="deepspeed's --include, applied to the hostfile")
+    validate.add_argument("--exclude", default="", help="deepspeed's --exclude, applied to the hostfile")
+    validate.add_argument("--num-nodes", type=int, default=-1, help="deepspeed's --num_nodes, applied to the hostfile")
     validate.add_argument(
         "--no-hardware-check", action="store_true", help="skip checks against this machine (fp16/bf16 support)"
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.launch import launch
+from tests.support.launch import launch, launch_accelerate
 
 
 @pytest.mark.gpu
@@ -19,3 +19,28 @@ def test_bf16_auto_trains_on_one_gpu_with_nccl(tmp_path: Path):
     assert all(torch.isfinite(torch.tensor(run.losses)))
     exported = run.exported_state_dict()
     assert all(tensor.dtype == torch.float32 for tensor in exported.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+def test_accelerate_fsdp_bf16_trains_on_one_gpu(tmp_path: Path):
+    run = launch_accelerate(
+        "configs/tiny_gpt.json", {"bf16.enabled": True, "zero_optimization.stage": 3}, tmp_path, nproc=1
+    )
+    assert "accelerate backend: fsdp_full on 1 process(es)" in run.stdout
+    assert all(torch.isfinite(torch.tensor(run.losses)))
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL refuses two ranks on one)")
+@pytest.mark.parametrize(
+    "parallel",
+    [{"parallel.tensor_parallel_size": 2}, {"parallel.pipeline_parallel_size": 2}],
+    ids=["tp2", "pp2"],
+)
+def test_model_parallel_bf16_trains_over_nccl(parallel: dict, tmp_path: Path):
+    overrides = {**parallel, "bf16.enabled": True, "zero_optimization.stage": 1}
+    run = launch("configs/tiny_gpt.json", overrides, tmp_path, nproc=2)
+    assert all(torch.isfinite(torch.tensor(run.losses)))
+    assert all(tensor.dtype == torch.float32 for tensor in run.exported_state_dict().values())

@@ -49,14 +49,15 @@ def launch(config: str, overrides: dict[str, object], output_dir: Path, nproc: i
 def launch_accelerate(
     config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2, config_file: Path | None = None
 ) -> Run:
-    """Train `config` under `accelerate launch` with the spelling that really starts `nproc` CPU
-    processes in one world (ACCELERATE_USE_CPU=1 and --multi_gpu, or a MULTI_GPU config file)."""
-    if config_file is None:
-        launcher = ["accelerate", "launch", "--multi_gpu", "--num_processes", str(nproc)]
-    else:
+    """Train `config` under `accelerate launch` with the spelling that really starts `nproc`
+    processes in one world: on CPU, ACCELERATE_USE_CPU=1 with --multi_gpu (or a MULTI_GPU file)."""
+    if config_file is not None:
         launcher = ["accelerate", "launch", "--config_file", str(config_file)]
+    else:
+        launcher = ["accelerate", "launch", "--num_processes", str(nproc), *(["--multi_gpu"] if nproc > 1 else [])]
     launcher += ["--main_process_port", str(free_port())]
-    return _launch(launcher, config, overrides, output_dir, {"ACCELERATE_USE_CPU": "1"})
+    env = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"}
+    return _launch(launcher, config, overrides, output_dir, env)
 
 
 def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]) -> Run:

@@ -1,0 +1,104 @@
+"""Multi-node launches on one machine: DeepSpeed hostfiles checked before launch, and a real
+two-node ZeRO-2 run through launch.sh's no-ssh route on loopback (one process per "node")."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
+from tests.support.compare import LOSS_TOLERANCE, max_loss_difference
+from tests.support.launch import ROOT, free_port, read_run
+from tests.support.reference import reference_run
+
+GPT = "configs/tiny_gpt.json"
+
+
+def hostfile(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("worker-1 slots=8\nworker-2 slots=four\n", "hostfile:2: 'worker-2 slots=four' is not 'HOST slots=N'"),
+        ("worker-1 slots=8\nworker-1 slots=8\n", "hostfile:2: host 'worker-1' is listed twice"),
+        ("worker-1 slots=8\nworker-2 slots=0\n", "hostfile:2: host 'worker-2' has 0 slots"),
+        ("# only a comment\n\n", "lists no hosts"),
+    ],
+)
+def test_bad_hostfiles_name_the_line(tmp_path: Path, text: str, expected: str):
+    with pytest.raises(HostfileError, match=expected):
+        read_hostfile(hostfile(tmp_path, text))
+
+
+def test_missing_hostfile_is_named(tmp_path: Path):
+    with pytest.raises(HostfileError, match="does not exist"):
+        read_hostfile(tmp_path / "nowhere")
+
+
+def test_world_size_follows_deepspeeds_include_exclude_and_num_nodes(tmp_path: Path):
+    path = hostfile(tmp_path, "# cluster\nworker-1 slots=8  # first\nworker-2 slots=8\nworker-3 slots=4\n")
+    assert list(read_hostfile(path).items()) == [("worker-1", 8), ("worker-2", 8), ("worker-3", 4)]
+    assert hostfile_world_size(path) == 20
+    assert hostfile_world_size(path, num_nodes=2) == 16
+    assert hostfile_world_size(path, exclude="worker-3") == 16
+    assert hostfile_world_size(path, include="worker-1:0,1@worker-3") == 6
+    with pytest.raises(HostfileError, match="cannot be combined"):
+        active_hosts(read_hostfile(path), include="worker-1", num_nodes=1)
+
+
+def test_validate_checks_the_config_against_the_hostfile_world(tmp_path: Path):
+    path = hostfile(tmp_path, "worker-1 slots=2\nworker-2 slots=1\n")
+    command = [sys.executable, "-m", "engine", "validate", GPT, "--hostfile", str(path)]
+    result = subprocess.run(
+        [*command, "--set=parallel.pipeline_parallel_size=2"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert (
+        "parallel: world size 3 is not divisible by tensor_parallel_size x pipeline_parallel_size = 2" in result.stderr
+    )
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "valid for 3 rank(s)" in result.stdout
+
+
+def test_launch_script_refuses_a_master_port_in_use(tmp_path: Path):
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\n")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        command = ["./launch.sh", "--hostfile", str(path), "--master-port", str(port), GPT]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"master port {port} is in use on this node" in result.stderr
+
+
+@pytest.mark.launch
+def test_two_nodes_without_ssh_train_like_one_process(tmp_path: Path):
+    """Hosts 127.0.0.1 and localhost are two "nodes" of one slot each; each invocation starts one."""
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\nlocalhost slots=1\n")
+    output_dir, port = tmp_path / "run", free_port()  # one output directory: it is shared storage
+
+    def node(rank: int) -> subprocess.Popen:
+        command = ["./launch.sh", "--hostfile", str(path), "--no-ssh", "--node-rank", str(rank)]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(port), GPT]
+        command += ["--set", "zero_optimization.stage=2", "--set", f"trainer.output_dir={output_dir}"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    second, first = node(1), node(0)
+    outputs = [process.communicate(timeout=600)[0] for process in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, outputs[0][-3000:] + outputs[1][-3000:]
+    assert "--no_ssh --node_rank 0 --master_addr 127.0.0.1" in outputs[0]
+    run = read_run(output_dir)
+    reference = reference_run(GPT, {"zero_optimization.stage": 2}, world_size=2)
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE
+    assert (output_dir / "export" / "model.safetensors").is_file()
