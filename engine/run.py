@@ -194,7 +194,8 @@ def run(config_path: str, overrides: list[str]) -> int:
         logger.write(layout.describe(backend.stage_layers() if isinstance(backend, PipelineBackend) else None))
     logger.write(
         f"training {config.model['family']} {config.model['preset']} on {config.world_size} rank(s), "
-        f"ZeRO-{config.zero_stage}, {config.precision}, global batch {config.document['train_batch_size']}"
+        f"{config.trainer['backend']} backend, ZeRO stage {config.zero_stage}, {config.precision}, "
+        f"global batch {config.document['train_batch_size']}"
         + (f", resuming at step {start_step}" if start_step else "")
     )
 

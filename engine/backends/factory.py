@@ -1,8 +1,9 @@
 """Which backend a config gets, and the model-parallel set-up that must happen before it exists.
 
-Order matters and is the same on every rank: build the full model from the seed, cut it into
-tensor-parallel shards, then hand it to DeepSpeed, either whole (data and tensor parallelism) or
-as pipeline layers.
+`trainer.backend` (resolved from the launcher when "auto") picks accelerate or DeepSpeed. For
+DeepSpeed the order matters and is the same on every rank: build the full model from the seed, cut
+it into tensor-parallel shards, then hand it to DeepSpeed, either whole (data and tensor
+parallelism) or as pipeline layers.
 """
 
 from __future__ import annotations
