@@ -24,7 +24,26 @@ from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_stat
 from models import ModelFamily
 
 
-class DeepSpeedBackend(Backend):
+class DeepSpeedEngineBackend(Backend):
+    """What every DeepSpeed engine does the same way, whole model or pipeline: the learning rate,
+    and checkpoints through `save_checkpoint` / `load_checkpoint`."""
+
+    engine: deepspeed.DeepSpeedEngine
+
+    def learning_rate(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
+
+    def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
+        return client_state or {}
+
+
+class DeepSpeedBackend(DeepSpeedEngineBackend):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -70,18 +89,6 @@ class DeepSpeedBackend(Backend):
             # Every tensor shard computed the same sums; one of them counts.
             totals = {key: torch.zeros_like(value) for key, value in totals.items()}
         return totals
-
-    def learning_rate(self) -> float:
-        return float(self.engine.get_lr()[0])
-
-    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
-
-    def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
-        path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
-        return client_state or {}
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         if self.grid is not None and self.grid.get_slice_parallel_world_size() > 1:

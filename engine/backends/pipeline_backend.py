@@ -18,7 +18,8 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
-from engine.backends.base import Backend, Batch, to_device
+from engine.backends.base import Batch, to_device
+from engine.backends.deepspeed_backend import DeepSpeedEngineBackend
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.layout import ParallelLayout
 from models import ModelFamily
@@ -42,7 +43,7 @@ def count_in_norm_once(module: torch.nn.Module, tensor_rank: int) -> None:
             parameter.model_parallel = True
 
 
-class PipelineBackend(Backend):
+class PipelineBackend(DeepSpeedEngineBackend):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -112,18 +113,6 @@ class PipelineBackend(Backend):
             return dict(zip(keys, sum(outputs), strict=True))
         # Only the last stage sees outputs, and its tensor shards all see the same ones.
         return {key: torch.zeros((), dtype=torch.float64, device=self.device) for key in keys}
-
-    def learning_rate(self) -> float:
-        return float(self.engine.get_lr()[0])
-
-    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
-
-    def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
-        path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
-        return client_state or {}
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         # zero_to_fp32 does not know pipeline layer files; the live ranks hold what `tag` saved.
