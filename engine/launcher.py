@@ -11,6 +11,8 @@ import os
 import re
 from pathlib import Path
 
+from engine.supervise import LAUNCHER_PID_ENV
+
 BACKENDS = ("deepspeed", "accelerate")
 # What zero_optimization.stage means under the accelerate backend (stage 1 has no FSDP equivalent).
 ACCELERATE_WRAPPERS = {0: "ddp", 2: "fsdp_grad_op", 3: "fsdp_full"}
@@ -37,13 +39,15 @@ def effective_backend(requested: str, launcher: str | None = None) -> str:
 
 def accelerate_requested_processes() -> int | None:
     """The process count the `accelerate launch` command line asked for, read from the launcher's
-    own command line (this process's parent for accelerate's single-process launcher).
+    own command line (this process's parent for accelerate's single-process launcher, or the
+    supervisor's parent).
 
     accelerate exits 0 after running ONE process for `--cpu --num_processes 2`; comparing what was
     asked with the world that started is the only way to refuse that instead of training alone.
     """
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV, str(os.getppid()))
     try:
-        command = (Path("/proc") / str(os.getppid()) / "cmdline").read_bytes().split(b"\0")
+        command = (Path("/proc") / launcher_pid / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
     words = [word.decode(errors="replace") for word in command]

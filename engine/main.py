@@ -12,7 +12,11 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 elif _PROJECT not in sys.path:
     sys.path.insert(0, _PROJECT)
 
-from engine.cli import train_main  # noqa: E402
-
 if __name__ == "__main__":
+    from engine.supervise import should_supervise, supervise
+
+    if should_supervise():
+        sys.exit(supervise(__file__, sys.argv[1:]))
+    from engine.cli import train_main
+
     sys.exit(train_main())

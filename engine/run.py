@@ -4,13 +4,17 @@ config, read the data, and only then start the process group and build the model
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
 from engine.backends import AccelerateBackend, Backend, PipelineBackend, build_backend
@@ -19,16 +23,20 @@ from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
     barrier,
     destroy_process_group,
+    env_rank,
     env_world_size,
     init_process_group,
     is_main_process,
 )
 from engine.export import export_model, sample_text
+from engine.faults import Fault, fault_from_env, inject
 from engine.hardware import Hardware, detect_hardware
 from engine.launcher import launch_problems
 from engine.metrics import MetricsLogger
 from engine.parallel.layout import parallel_layout
+from engine.rank_logs import RankOutput, capture_rank_output
 from engine.train import LoopSettings, train
+from engine.watchdog import Watchdog, beat_interval
 from models import ModelFamily, get_family
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,6 +93,7 @@ class Prepared:
     data: DataBundle
     hardware: Hardware
     resume: tuple[Path, str] | None
+    fault: Fault | None
 
 
 def prepare(config_path: str, overrides: list[str]) -> Prepared:
@@ -99,9 +108,10 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     config = settle_vocabulary(config, bundle)
     try:
         resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
-    except FileNotFoundError as error:
+        fault = fault_from_env()
+    except (FileNotFoundError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume)
+    return Prepared(config, bundle, hardware, resume, fault)
 
 
 def loop_settings(config: EngineConfig) -> LoopSettings:
@@ -144,14 +154,65 @@ def run(config_path: str, overrides: list[str]) -> int:
             print(error, file=sys.stderr)
         return 2
 
+    trainer = prepared.config.trainer
+    output = capture_rank_output(Path(trainer["output_dir"]) / "logs", env_rank())
+    device = init_process_group(prepared.hardware.device_type, timeout_s=collective_timeout(trainer["comm_timeout_s"]))
+    watchdog = None
+    if env_world_size() > 1:
+        watchdog = Watchdog(env_rank(), env_world_size(), trainer["comm_timeout_s"], output.announce).start()
+    try:
+        train_run(prepared, device)
+    except Exception as error:
+        end_after_failure(error, watchdog, output)
+    if watchdog is not None:
+        watchdog.stop()
+    barrier()
+    destroy_process_group()
+    return 0
+
+
+def collective_timeout(silence_s: float) -> float:
+    """Collectives wait a little longer than the watchdog, so a silent peer is named by the
+    watchdog before a bare timeout error blames the rank that was waiting for it."""
+    return silence_s + 3 * beat_interval(silence_s)
+
+
+def end_after_failure(error: Exception, watchdog: Watchdog | None, output: RankOutput) -> NoReturn:
+    """Log the traceback, tell every rank which rank failed first, and end this process.
+
+    `os._exit`, not an exception: interpreter shutdown would wait on the process group and on
+    DeepSpeed's threads, which is how a failed job turns into a hung one."""
+    traceback.print_exc()
+    summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    own = f"rank {env_rank()} failed: {type(error).__name__}: {summary}"
+    if watchdog is not None:
+        if _is_communication_error(error):
+            reason = watchdog.reported_failure(wait_s=watchdog.silence_s + 2 * watchdog.interval)
+            if reason is not None:
+                watchdog.end(reason)
+        first = watchdog.report(own)
+        if first != own:
+            watchdog.end(first)
+    output.announce(f"{own} (full log: {output.path})")
+    os._exit(1)
+
+
+def _is_communication_error(error: Exception) -> bool:
+    """Errors a collective raises when a peer is gone: the peer, not this rank, is the culprit."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "Connection", "timed out"))
+    )
+
+
+def train_run(prepared: Prepared, device: torch.device) -> None:
+    """Build the backend, train, save and export; the process group is already up."""
     config, bundle = prepared.config, prepared.data
     trainer = config.trainer
     output_dir = Path(trainer["output_dir"])
     if is_main_process():
-        output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
 
-    device = init_process_group(prepared.hardware.device_type)
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision])
@@ -202,9 +263,10 @@ def run(config_path: str, overrides: list[str]) -> int:
     def save(step: int) -> None:
         backend.save(checkpoint_root(output_dir), step_tag(step), {"step": step})
 
-    last_saved = train(backend, family, batches, eval_batches, settings, logger, save, start_step)
+    def after_step(step: int) -> None:
+        inject(prepared.fault, env_rank(), "step", step)
+
+    last_saved = train(backend, family, batches, eval_batches, settings, logger, save, start_step, after_step)
     if trainer["export"]:
         export_and_sample(config, family, backend, bundle, step_tag(last_saved), logger)
     logger.close()
-    destroy_process_group()
-    return 0

@@ -44,8 +44,10 @@ def train(
     logger: MetricsLogger,
     save: Callable[[int], None],
     start_step: int,
+    after_step: Callable[[int], None] = lambda step: None,
 ) -> int:
-    """Run from `start_step` to `settings.max_steps`; returns the last step saved."""
+    """Run from `start_step` to `settings.max_steps`; returns the last step saved.
+    `after_step` runs after each optimizer step (the fault-injection point)."""
     step, saved = start_step, start_step
     window_start, window_steps = time.perf_counter(), 0
     while step < settings.max_steps:
@@ -53,6 +55,7 @@ def train(
         loss = backend.train_step(batches)
         step += 1
         window_steps += 1
+        after_step(step)
 
         last = step == settings.max_steps
         eval_due = last or (settings.eval_interval and step % settings.eval_interval == 0)

@@ -450,6 +450,12 @@ _TRAINER = _object(
             "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0
         ),
         "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
+        "comm_timeout_s": _number(
+            "Seconds a rank may stay silent (dead, frozen, its node lost) or a collective may wait before "
+            "every rank ends with an error naming the rank that failed; the job never hangs longer.",
+            600.0,
+            minimum=5,
+        ),
         "threads_per_rank": _integer(
             'CPU threads per rank; "auto": OMP_NUM_THREADS when set, else cores / local ranks.',
             AUTO,

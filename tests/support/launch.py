@@ -42,8 +42,7 @@ class Run:
 
 def launch(config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2) -> Run:
     """Train `config` with `nproc` processes under the deepspeed launcher; fail with its output."""
-    launcher = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(free_port())]
-    return _launch(launcher, config, overrides, output_dir, {})
+    return _launch(deepspeed_launcher(nproc), config, overrides, output_dir, {})
 
 
 def launch_accelerate(
@@ -60,14 +59,25 @@ def launch_accelerate(
     return _launch(launcher, config, overrides, output_dir, env)
 
 
-def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]) -> Run:
+def deepspeed_launcher(nproc: int) -> list[str]:
+    return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(free_port())]
+
+
+def run_launcher(
+    launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """Run `launcher engine/main.py ...` to the end, whatever its exit code."""
     sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
     command = [*launcher, "engine/main.py", "--deepspeed_config", config, *sets]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]) -> Run:
+    result = run_launcher(launcher, config, overrides, output_dir, env)
     if result.returncode != 0:
         raise AssertionError(
-            f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+            f"{' '.join(result.args)} exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
     return read_run(output_dir, result.stdout)
 

@@ -1,0 +1,68 @@
+"""Deliberate failures, so tests (and users rehearsing an incident) can see how a job ends.
+
+`ENGINE_FAULT="kill,rank=1,step=3"` makes rank 1 act after optimizer step 3:
+  kill   SIGKILL itself, as a segfault or the kernel's out-of-memory killer would;
+  hang   SIGSTOP itself, as a rank stuck in a driver call or on a lost node would look;
+  raise  raise a Python error, as a bug or a bad batch would.
+It reads the environment because a failure drill must not need a different config than the run
+it rehearses, and every launcher passes the environment on to its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV_VAR = "ENGINE_FAULT"
+ACTIONS = ("kill", "hang", "raise")
+POINTS = ("step",)
+
+
+class InjectedFault(RuntimeError):
+    """The `raise` action's error."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    rank: int
+    step: int
+    at: str = "step"
+
+
+def parse_fault(text: str) -> Fault:
+    """Read an ENGINE_FAULT value; a malformed one is a ValueError naming the variable."""
+    action, *fields = [part.strip() for part in text.split(",")]
+    values: dict[str, str] = {}
+    for field in fields:
+        key, sep, value = field.partition("=")
+        if not sep or key not in ("rank", "step", "at"):
+            raise ValueError(f"{ENV_VAR}: '{field}' is not rank=N, step=N or at=POINT (in '{text}')")
+        values[key] = value
+    if action not in ACTIONS:
+        raise ValueError(f"{ENV_VAR}: action '{action}' is not one of {', '.join(ACTIONS)} (in '{text}')")
+    if values.get("at", "step") not in POINTS:
+        raise ValueError(f"{ENV_VAR}: at={values['at']} is not one of {', '.join(POINTS)}")
+    try:
+        return Fault(action, int(values.get("rank", "0")), int(values["step"]), values.get("at", "step"))
+    except (KeyError, ValueError):
+        raise ValueError(f"{ENV_VAR}: needs integer rank=N and step=N (got '{text}')") from None
+
+
+def fault_from_env() -> Fault | None:
+    text = os.environ.get(ENV_VAR, "").strip()
+    return parse_fault(text) if text else None
+
+
+def inject(fault: Fault | None, rank: int, point: str, step: int) -> None:
+    """Act out `fault` if it is due at this rank, point and step."""
+    if fault is None or (fault.rank, fault.at, fault.step) != (rank, point, step):
+        return
+    print(f"rank {rank}: {ENV_VAR} injects '{fault.action}' at {point} {step}", flush=True)
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise InjectedFault(f"{ENV_VAR} raised at {point} {step}")

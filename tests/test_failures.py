@@ -1,0 +1,123 @@
+"""A rank that dies, freezes or raises ends the whole job quickly, with a message naming it.
+
+Faults are injected with ENGINE_FAULT into real launches; each job runs with a 10 s
+communication timeout and must be over, non-zero, well inside a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.faults import Fault, parse_fault
+from tests.support.launch import ROOT, deepspeed_launcher, free_port, run_launcher, run_single
+
+GPT = "configs/tiny_gpt.json"
+TIMEOUT_S = 10
+# Start-up (imports, process group, first step) on a loaded 2-core machine, plus the timeout.
+JOB_END_LIMIT_S = 60
+FAULT_RUN = {"trainer.max_steps": 6, "trainer.comm_timeout_s": TIMEOUT_S, "trainer.export": "false"}
+
+
+def test_fault_spec_parses():
+    assert parse_fault("kill,rank=1,step=3") == Fault("kill", 1, 3)
+    assert parse_fault("hang, rank=0, step=2, at=step") == Fault("hang", 0, 2)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("explode,rank=1,step=3", "action 'explode' is not one of kill, hang, raise"),
+        ("kill,rank=1", "needs integer rank=N and step=N"),
+        ("kill,rank=one,step=3", "needs integer rank=N and step=N"),
+        ("kill,rank=1,step=3,when=later", "'when=later' is not rank=N, step=N or at=POINT"),
+        ("kill,rank=1,step=3,at=lunch", "at=lunch is not one of step"),
+    ],
+)
+def test_bad_fault_specs_are_refused_before_anything_starts(tmp_path: Path, text: str, expected: str):
+    with pytest.raises(ValueError, match="ENGINE_FAULT"):
+        parse_fault(text)
+    env = {**os.environ, "ENGINE_FAULT": text}
+    result = subprocess.run(
+        [sys.executable, "engine/main.py", "--deepspeed_config", GPT, f"--set=trainer.output_dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and expected in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "logs").exists()  # refused before any rank started its log
+
+
+def run_with_fault(fault: str, output_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = run_launcher(deepspeed_launcher(2), GPT, FAULT_RUN, output_dir, {"ENGINE_FAULT": fault})
+    return result, time.monotonic() - start
+
+
+@pytest.mark.launch
+def test_a_killed_rank_ends_the_job_and_is_named(tmp_path: Path):
+    result, elapsed = run_with_fault("kill,rank=1,step=3", tmp_path)
+    assert result.returncode != 0 and elapsed < JOB_END_LIMIT_S, (elapsed, result.stderr[-3000:])
+    assert "rank 1 (local rank 1 on" in result.stderr and "was killed by SIGKILL" in result.stderr
+    assert "ENGINE_FAULT injects 'kill' at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.launch
+def test_a_frozen_rank_ends_the_job_within_the_timeout(tmp_path: Path):
+    result, elapsed = run_with_fault("hang,rank=1,step=3", tmp_path)
+    assert result.returncode != 0 and elapsed < JOB_END_LIMIT_S, (elapsed, result.stderr[-3000:])
+    output = result.stdout + result.stderr
+    assert f"rank 0: ending: rank 1 stopped answering (no heartbeat for {TIMEOUT_S}" in output
+
+
+@pytest.mark.launch
+def test_a_raising_rank_is_named_on_the_terminal_and_logs_per_rank(tmp_path: Path):
+    result, elapsed = run_with_fault("raise,rank=1,step=2", tmp_path)
+    assert result.returncode != 0 and elapsed < JOB_END_LIMIT_S, (elapsed, result.stderr[-3000:])
+    # Rank 1 writes only to its file, except for the one line that says it failed.
+    assert "rank 1 failed: InjectedFault: ENGINE_FAULT raised at step 2" in result.stderr
+    rank1 = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "Traceback" in rank1 and "InjectedFault" in rank1
+    rank0 = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "step=1 loss=" in rank0 and "step=1 loss=" in result.stdout  # rank 0: file and terminal
+    assert "step=1 loss=" not in rank1
+
+
+@pytest.mark.launch
+def test_a_rank_lost_on_another_node_ends_this_node_too(tmp_path: Path):
+    """Two no-ssh "nodes"; node 1's only rank is killed. Node 0's launcher cannot see that
+    process: its rank learns from the watchdog, ends, and names rank 1."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ENGINE_FAULT": "kill,rank=1,step=3"}
+
+    def node(rank: int) -> subprocess.Popen:
+        command = ["./launch.sh", "--hostfile", str(hostfile), "--no-ssh", "--node-rank", str(rank)]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(port), GPT]
+        for key, value in {**FAULT_RUN, "trainer.output_dir": tmp_path / "run"}.items():
+            command += ["--set", f"{key}={value}"]
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    start = time.monotonic()
+    second, first = node(1), node(0)
+    outputs = [process.communicate(timeout=300)[0] for process in (first, second)]
+    elapsed = time.monotonic() - start
+    assert first.returncode != 0 and second.returncode != 0, outputs
+    assert elapsed < JOB_END_LIMIT_S + 20, elapsed  # two launchers start side by side on 2 cores
+    assert "was killed by SIGKILL" in outputs[1]
+    assert "rank 0: ending: rank 1 stopped answering" in outputs[0]
+
+
+def test_single_process_runs_log_to_their_rank_file(tmp_path: Path):
+    result = run_single(GPT, {"trainer.max_steps": 1, "trainer.export": False}, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "step=1 loss=" in result.stdout
+    assert "step=1 loss=" in (tmp_path / "logs" / "rank0.log").read_text()
