@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# The front door: ./launch.sh [--launcher deepspeed|accelerate] [--nproc N] [--master-port P] CONFIG [--set path=value ...]
-#        multi-node: ./launch.sh --hostfile H [--include S | --exclude S | --num-nodes N]
-#                    [--no-ssh --node-rank R --master-addr A] [--master-port P] CONFIG ...
+# The front door: ./launch.sh [--launcher deepspeed|accelerate|torchrun] [--nproc N] [--master-port P] CONFIG [--set path=value ...]
+#   hostfile (deepspeed): ./launch.sh --hostfile H [--include S | --exclude S | --num-nodes N]
+#                         [--ssh-port P | --no-ssh --node-rank R] [--master-addr A] --master-port P CONFIG ...
+#   one node of several (accelerate, torchrun): ./launch.sh --launcher L --num-nodes N --node-rank R
+#                         --master-addr A --master-port P CONFIG ...
 #
-# Starts engine/main.py under the deepspeed launcher (default) or `accelerate launch` on every local
-# GPU, or, on a machine without GPUs, on N CPU processes (default: 2, or 1 on a single core) talking
-# over gloo. The deepspeed launcher cannot count CPU "devices", so --num_gpus is always passed; on
-# CPU, accelerate starts one world of N processes only as ACCELERATE_USE_CPU=1 with --multi_gpu.
-# Everything after CONFIG goes to the engine. The exact command is printed, and its exit code is
-# this script's. With --hostfile the deepspeed launcher starts the hosts' slots (over pdsh/ssh, or
-# with --no-ssh one node per invocation); the hostfile is checked and the world size it implies
-# validated against the config first.
+# Starts engine/main.py under the deepspeed launcher (default), `accelerate launch` or torchrun on
+# every local GPU, or, on a machine without GPUs, on N CPU processes (default: 2, or 1 on a single
+# core) talking over gloo. The deepspeed launcher cannot count CPU "devices", so --num_gpus is always
+# passed; on CPU, accelerate starts one world of N processes only as ACCELERATE_USE_CPU=1 with
+# --multi_gpu. Everything after CONFIG goes to the engine. The exact command is printed, and its exit
+# code is this script's. With --hostfile the deepspeed launcher starts the hosts' slots over pdsh/ssh
+# (every host must answer a non-interactive ssh first; PDSH_SSH_ARGS_APPEND options apply to the check
+# too, and the engine's, NCCL_*, OMP_NUM_THREADS and .deepspeed_env variables reach every rank), or
+# with --no-ssh one node per invocation. The hostfile is checked and the world size it implies
+# validated against the config before anything starts.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 nproc_arg="" master_port="" launcher="deepspeed" hostfile="" node_rank="" master_addr="" no_ssh=0
-include="" exclude="" num_nodes=""
+include="" exclude="" num_nodes="" ssh_port=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --launcher) launcher="$2"; shift 2 ;;
@@ -31,6 +35,7 @@ while [[ $# -gt 0 ]]; do
     --master-addr) master_addr="$2"; shift 2 ;;
     --nproc) nproc_arg="$2"; shift 2 ;;
     --master-port) master_port="$2"; shift 2 ;;
+    --ssh-port) ssh_port="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     -*) echo "launch.sh: unknown option $1 (options come before the config)" >&2; usage 2 ;;
     *) break ;;
@@ -50,7 +55,7 @@ else
   nproc=$(( cores >= 2 ? 2 : 1 ))
 fi
 if [[ -z "$master_port" ]]; then
-  [[ -z "$hostfile" ]] || { echo "launch.sh: --hostfile needs --master-port (every node must agree on it)" >&2; exit 2; }
+  [[ -z "$hostfile" && -z "$num_nodes" ]] || { echo "launch.sh: several nodes need --master-port (every node must agree on it)" >&2; exit 2; }
   # 29500, DeepSpeed's default, is often taken on shared machines.
   master_port=$("$PYTHON" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 elif [[ -z "$node_rank" || "$node_rank" == 0 ]]; then
@@ -61,10 +66,11 @@ fi
 # Validate once, before any process starts, for the world size and backend about to be launched.
 backend=()
 [[ "$launcher" == accelerate ]] && backend=(--set trainer.backend=accelerate)
-world=(--world-size "$nproc")
+world=(--world-size "$(( nproc * ${num_nodes:-1} ))")
 hosts=()
+ssh_route=0
 if [[ -n "$hostfile" ]]; then
-  [[ "$launcher" == deepspeed ]] || { echo "launch.sh: --hostfile is for the deepspeed launcher" >&2; exit 2; }
+  [[ "$launcher" == deepspeed ]] || { echo "launch.sh: --hostfile is for the deepspeed launcher; give $launcher --num-nodes, --node-rank and --master-addr" >&2; exit 2; }
   world=(--hostfile "$hostfile" --include "$include" --exclude "$exclude" --num-nodes "${num_nodes:--1}")
   hosts=(--hostfile "$hostfile")
   [[ -z "$include" ]] || hosts+=(--include "$include")
@@ -73,8 +79,17 @@ if [[ -n "$hostfile" ]]; then
   if [[ "$no_ssh" == 1 ]]; then
     [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --no-ssh needs --node-rank and --master-addr" >&2; exit 2; }
     hosts+=(--no_ssh --node_rank "$node_rank")
+  else
+    # Our pre-flight checks every host the way pdsh will reach it; DeepSpeed's checks only the first.
+    ssh_route=1
+    world+=(--check-ssh)
+    hosts+=(--no_ssh_check)
+    [[ -z "$ssh_port" ]] || { world+=(--ssh-port "$ssh_port"); hosts+=(--ssh_port "$ssh_port"); }
   fi
   [[ -z "$master_addr" ]] || hosts+=(--master_addr "$master_addr")
+elif [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
+  [[ "$launcher" != deepspeed ]] || { echo "launch.sh: several nodes under the deepspeed launcher need --hostfile" >&2; exit 2; }
+  [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --num-nodes needs --node-rank and --master-addr" >&2; exit 2; }
 fi
 "$PYTHON" -m engine validate "$config" "${world[@]}" "${backend[@]}" "$@" >/dev/null
 
@@ -90,10 +105,32 @@ case "$launcher" in
       export ACCELERATE_USE_CPU=1
       echo "+ export ACCELERATE_USE_CPU=1" >&2
     fi
-    cmd=(accelerate launch --num_processes "$nproc" --main_process_port "$master_port")
-    if [[ "$nproc" -gt 1 ]]; then cmd+=(--multi_gpu); elif [[ "$gpus" -eq 0 ]]; then cmd+=(--cpu); fi ;;
-  *) echo "launch.sh: --launcher must be deepspeed or accelerate, not '$launcher'" >&2; exit 2 ;;
+    # accelerate's --num_processes counts every machine's processes.
+    cmd=(accelerate launch --num_processes "$(( nproc * ${num_nodes:-1} ))" --main_process_port "$master_port")
+    if [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
+      cmd+=(--num_machines "$num_nodes" --machine_rank "$node_rank" --main_process_ip "$master_addr")
+    fi
+    if [[ "$nproc" -gt 1 || "${num_nodes:-1}" -gt 1 ]]; then cmd+=(--multi_gpu); elif [[ "$gpus" -eq 0 ]]; then cmd+=(--cpu); fi ;;
+  torchrun)
+    cmd=(torchrun --nproc_per_node "$nproc" --master_port "$master_port")
+    if [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
+      cmd+=(--nnodes "$num_nodes" --node_rank "$node_rank" --master_addr "$master_addr")
+    fi ;;
+  *) echo "launch.sh: --launcher must be deepspeed, accelerate or torchrun, not '$launcher'" >&2; exit 2 ;;
 esac
 cmd+=(engine/main.py --deepspeed_config "$config" "$@")
+
+if [[ "$ssh_route" == 1 ]]; then
+  # Ranks started over ssh see a fresh login environment: hand DeepSpeed the variables they need.
+  env_file=$(mktemp "${TMPDIR:-/tmp}/engine_env.XXXXXX")
+  trap 'rm -f "$env_file"' EXIT
+  "$PYTHON" -m engine launch-env "$env_file" >&2
+  export DS_ENV_FILE="$env_file"
+  echo "+ export DS_ENV_FILE=$env_file" >&2
+  echo "+ ${cmd[*]}" >&2
+  rc=0
+  "${cmd[@]}" || rc=$?
+  exit "$rc"
+fi
 echo "+ ${cmd[*]}" >&2
 exec "${cmd[@]}"

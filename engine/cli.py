@@ -16,7 +16,8 @@ from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
 from engine.hardware import detect_hardware
-from engine.hostfile import HostfileError, hostfile_world_size
+from engine.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
+from engine.launch_env import write_launch_env
 from engine.launcher import ACCELERATE_WRAPPERS, accelerate_settings
 from engine.parallel.layout import parallel_layout
 
@@ -49,9 +50,15 @@ def train_main(argv: list[str] | None = None) -> int:
 def _validate(args: argparse.Namespace) -> int:
     if args.hostfile is not None:
         try:
-            args.world_size = hostfile_world_size(args.hostfile, args.include, args.exclude, args.num_nodes)
+            hosts = active_hosts(read_hostfile(args.hostfile), args.include, args.exclude, args.num_nodes)
         except HostfileError as error:
             print(f"hostfile error: {error}", file=sys.stderr)
+            return 2
+        args.world_size = sum(len(slots) for slots in hosts.values())
+        problems = ssh_problems(list(hosts), args.ssh_port) if args.check_ssh else []
+        if problems:
+            lines = "\n  ".join(problems)
+            print(f"ssh pre-flight failed (pdsh could not start these nodes):\n  {lines}", file=sys.stderr)
             return 2
     hardware = detect_hardware(local_world_size=args.world_size)
     try:
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--include", default="", help="deepspeed's --include, applied to the hostfile")
     validate.add_argument("--exclude", default="", help="deepspeed's --exclude, applied to the hostfile")
     validate.add_argument("--num-nodes", type=int, default=-1, help="deepspeed's --num_nodes, applied to the hostfile")
+    validate.add_argument("--check-ssh", action="store_true", help="check every hostfile host answers ssh (pdsh route)")
+    validate.add_argument("--ssh-port", type=int, help="deepspeed's --ssh_port, for --check-ssh")
     validate.add_argument(
         "--no-hardware-check", action="store_true", help="skip checks against this machine (fp16/bf16 support)"
     )
@@ -129,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     accelerate.add_argument("--output", type=Path, default=Path("accelerate_config.yaml"))
     _add_overrides(accelerate)
 
+    launch_env = commands.add_parser(
+        "launch-env", help="write the environment every rank must see (for deepspeed's pdsh route, via DS_ENV_FILE)"
+    )
+    launch_env.add_argument("output", type=Path)
+
     commands.add_parser("schema", help="print the config's JSON Schema")
     docs = commands.add_parser("docs", help="write the config reference generated from the schema")
     docs.add_argument("--output", type=Path, default=Path("docs/config_reference.md"))
@@ -140,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(["--deepspeed_config", args.config, *(f"--set={item}" for item in args.overrides)])
     if args.command == "accelerate-config":
         return _accelerate_config(args)
+    if args.command == "launch-env":
+        try:
+            variables = write_launch_env(args.output)
+        except ValueError as error:
+            print(f"launch environment: {error}", file=sys.stderr)
+            return 2
+        print(f"every rank gets: {', '.join(sorted(variables)) or '(nothing beyond DeepSpeed defaults)'}")
+        return 0
     if args.command == "schema":
         print(json.dumps(SCHEMA, indent=2))
         return 0

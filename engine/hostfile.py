@@ -8,8 +8,12 @@ the file and line of a malformed entry, a duplicate host, a host with zero slots
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
@@ -60,3 +64,29 @@ def active_hosts(
 
 def hostfile_world_size(path: Path, include: str = "", exclude: str = "", num_nodes: int = -1) -> int:
     return sum(len(slots) for slots in active_hosts(read_hostfile(path), include, exclude, num_nodes).values())
+
+
+def ssh_problems(hosts: list[str], ssh_port: int | None = None, timeout_s: int = 10) -> list[str]:
+    """One line per host that does not answer a non-interactive ssh, the way pdsh will reach it.
+
+    DeepSpeed checks only the first host and only with plain `ssh`; pdsh then hangs on or fails
+    at any other host. This checks every host in parallel with the options pdsh adds from
+    PDSH_SSH_ARGS_APPEND (keys, known-hosts files), so a pass here means the launch can connect.
+    """
+    command = ["ssh", "-n", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}"]
+    if ssh_port is not None:
+        command += ["-p", str(ssh_port)]
+    command += shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))
+
+    def probe(host: str) -> str | None:
+        try:
+            result = subprocess.run([*command, host, "true"], capture_output=True, text=True, timeout=timeout_s + 5)
+        except subprocess.TimeoutExpired:
+            return f"host {host!r} did not answer ssh within {timeout_s + 5} s"
+        if result.returncode == 0:
+            return None
+        reason = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        return f"host {host!r} does not answer a non-interactive ssh: {reason}"
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return [problem for problem in pool.map(probe, hosts) if problem is not None]

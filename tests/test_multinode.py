@@ -3,6 +3,7 @@ two-node ZeRO-2 run through launch.sh's no-ssh route on loopback (one process pe
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from engine.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
+from engine.launch_env import propagated_environment, user_env_files
 from tests.support.compare import LOSS_TOLERANCE, max_loss_difference
 from tests.support.launch import ROOT, free_port, read_run
 from tests.support.reference import reference_run
+from tests.support.sshd import Sshd, loopback_sshd, sshd_available
 
 GPT = "configs/tiny_gpt.json"
 
@@ -102,3 +105,63 @@ def test_two_nodes_without_ssh_train_like_one_process(tmp_path: Path):
     reference = reference_run(GPT, {"zero_optimization.stage": 2}, world_size=2)
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE
     assert (output_dir / "export" / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    with loopback_sshd(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+needs_sshd = pytest.mark.skipif(sshd_available() is not None, reason=str(sshd_available()))
+
+
+@needs_sshd
+def test_ssh_preflight_names_the_host_that_does_not_answer(sshd: Sshd, tmp_path: Path):
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\n127.0.0.3 slots=1\n")  # the test sshd is not on .3
+    command = ["./launch.sh", "--hostfile", str(path), "--ssh-port", str(sshd.port), "--master-port", str(free_port())]
+    env = {**os.environ, "PDSH_SSH_ARGS_APPEND": sshd.client_options}
+    result = subprocess.run([*command, GPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "ssh pre-flight failed" in result.stderr and "host '127.0.0.3' does not answer" in result.stderr
+    assert "127.0.0.1'" not in result.stderr
+
+
+@needs_sshd
+@pytest.mark.launch
+def test_pdsh_route_trains_like_one_process_and_carries_the_environment(sshd: Sshd, tmp_path: Path):
+    """deepspeed starts both "nodes" through pdsh over the test sshd; ranks begin in a fresh ssh
+    session, so OMP_NUM_THREADS=3 reaches them only through the launch environment file."""
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    output_dir = tmp_path / "run"
+    command = ["./launch.sh", "--hostfile", str(path), "--ssh-port", str(sshd.port), "--master-addr", "127.0.0.1"]
+    command += ["--master-port", str(free_port()), GPT, "--set", "zero_optimization.stage=2"]
+    command += ["--set", f"trainer.output_dir={output_dir}"]
+    env = {**os.environ, "PDSH_SSH_ARGS_APPEND": sshd.client_options, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "every rank gets:" in result.stderr and "OMP_NUM_THREADS" in result.stderr
+    assert "127.0.0.2: " in result.stdout + result.stderr  # pdsh prefixes each node's lines
+    resolved = json.loads((output_dir / "resolved_config.json").read_text())
+    assert resolved["trainer"]["threads_per_rank"] == 3
+    run = read_run(output_dir)
+    reference = reference_run(GPT, {"zero_optimization.stage": 2}, world_size=2)
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE
+
+
+def test_launch_environment_keeps_what_ranks_need_and_the_users_env_file(tmp_path: Path):
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text("# cluster settings\nNCCL_IB_DISABLE=1\nOMP_NUM_THREADS=4\n")
+    environ = {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "8", "ENGINE_FAULT": "kill,rank=1,step=3", "HOME": "/root"}
+    files = user_env_files(tmp_path / "home", tmp_path, environ)
+    assert files == [env_file]
+    chosen = propagated_environment(environ, files)
+    assert chosen == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_IB_DISABLE": "1",
+        "OMP_NUM_THREADS": "4",  # the file wins, as in DeepSpeed
+        "ENGINE_FAULT": "kill,rank=1,step=3",
+    }
+    env_file.write_text("NCCL_IB_DISABLE\n")
+    with pytest.raises(ValueError, match=r"\.deepspeed_env:1: 'NCCL_IB_DISABLE' is not KEY=VALUE"):
+        propagated_environment(environ, files)
