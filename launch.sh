@@ -101,7 +101,7 @@ case "$launcher" in
       cmd=(deepspeed --num_gpus "$nproc" --master_port "$master_port")
     fi ;;
   accelerate)
-    if [[ "$gpus" -eq 0 && "$nproc" -gt 1 ]]; then
+    if [[ "$gpus" -eq 0 && $(( nproc * ${num_nodes:-1} )) -gt 1 ]]; then
       export ACCELERATE_USE_CPU=1
       echo "+ export ACCELERATE_USE_CPU=1" >&2
     fi

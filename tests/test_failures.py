@@ -11,11 +11,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
 from engine.faults import Fault, parse_fault
-from tests.support.launch import ROOT, deepspeed_launcher, free_port, run_launcher, run_single
+from tests.support.launch import (
+    ROOT,
+    accelerate_env,
+    accelerate_launcher,
+    deepspeed_launcher,
+    launch_nodes,
+    run_launcher,
+    run_single,
+)
 
 GPT = "configs/tiny_gpt.json"
 TIMEOUT_S = 10
@@ -55,15 +64,20 @@ def test_bad_fault_specs_are_refused_before_anything_starts(tmp_path: Path, text
     assert not (tmp_path / "logs").exists()  # refused before any rank started its log
 
 
-def run_with_fault(fault: str, output_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+def run_with_fault(fault: str, output_dir: Path, launcher: str = "deepspeed") -> tuple[CompletedProcess, float]:
+    if launcher == "deepspeed":
+        command, env = deepspeed_launcher(2), {}
+    else:
+        command, env = accelerate_launcher(2), accelerate_env()
     start = time.monotonic()
-    result = run_launcher(deepspeed_launcher(2), GPT, FAULT_RUN, output_dir, {"ENGINE_FAULT": fault})
+    result = run_launcher(command, GPT, FAULT_RUN, output_dir, {**env, "ENGINE_FAULT": fault})
     return result, time.monotonic() - start
 
 
 @pytest.mark.launch
-def test_a_killed_rank_ends_the_job_and_is_named(tmp_path: Path):
-    result, elapsed = run_with_fault("kill,rank=1,step=3", tmp_path)
+@pytest.mark.parametrize("launcher", ["deepspeed", "accelerate"])
+def test_a_killed_rank_ends_the_job_and_is_named(launcher: str, tmp_path: Path):
+    result, elapsed = run_with_fault("kill,rank=1,step=3", tmp_path, launcher)
     assert result.returncode != 0 and elapsed < JOB_END_LIMIT_S, (elapsed, result.stderr[-3000:])
     assert "rank 1 (local rank 1 on" in result.stderr and "was killed by SIGKILL" in result.stderr
     assert "ENGINE_FAULT injects 'kill' at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
@@ -96,24 +110,18 @@ def test_a_rank_lost_on_another_node_ends_this_node_too(tmp_path: Path):
     process: its rank learns from the watchdog, ends, and names rank 1."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ENGINE_FAULT": "kill,rank=1,step=3"}
-
-    def node(rank: int) -> subprocess.Popen:
-        command = ["./launch.sh", "--hostfile", str(hostfile), "--no-ssh", "--node-rank", str(rank)]
-        command += ["--master-addr", "127.0.0.1", "--master-port", str(port), GPT]
-        for key, value in {**FAULT_RUN, "trainer.output_dir": tmp_path / "run"}.items():
-            command += ["--set", f"{key}={value}"]
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
     start = time.monotonic()
-    second, first = node(1), node(0)
-    outputs = [process.communicate(timeout=300)[0] for process in (first, second)]
+    nodes = launch_nodes(
+        ["--hostfile", str(hostfile), "--no-ssh"],
+        GPT,
+        {**FAULT_RUN, "trainer.output_dir": tmp_path / "run"},
+        {"ENGINE_FAULT": "kill,rank=1,step=3"},
+    )
     elapsed = time.monotonic() - start
-    assert first.returncode != 0 and second.returncode != 0, outputs
+    assert all(node.returncode != 0 for node in nodes), [node.output[-2000:] for node in nodes]
     assert elapsed < JOB_END_LIMIT_S + 20, elapsed  # two launchers start side by side on 2 cores
-    assert "was killed by SIGKILL" in outputs[1]
-    assert "rank 0: ending: rank 1 stopped answering" in outputs[0]
+    assert "was killed by SIGKILL" in nodes[1].output
+    assert "rank 0: ending: rank 1 stopped answering" in nodes[0].output
 
 
 def test_single_process_runs_log_to_their_rank_file(tmp_path: Path):

@@ -15,7 +15,7 @@ import pytest
 from engine.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
 from engine.launch_env import propagated_environment, user_env_files
 from tests.support.compare import LOSS_TOLERANCE, max_loss_difference
-from tests.support.launch import ROOT, free_port, read_run
+from tests.support.launch import ROOT, free_port, launch_nodes, read_run
 from tests.support.reference import reference_run
 from tests.support.sshd import Sshd, loopback_sshd, sshd_available
 
@@ -85,24 +85,34 @@ def test_launch_script_refuses_a_master_port_in_use(tmp_path: Path):
 
 
 @pytest.mark.launch
-def test_two_nodes_without_ssh_train_like_one_process(tmp_path: Path):
-    """Hosts 127.0.0.1 and localhost are two "nodes" of one slot each; each invocation starts one."""
-    path = hostfile(tmp_path, "127.0.0.1 slots=1\nlocalhost slots=1\n")
-    output_dir, port = tmp_path / "run", free_port()  # one output directory: it is shared storage
-
-    def node(rank: int) -> subprocess.Popen:
-        command = ["./launch.sh", "--hostfile", str(path), "--no-ssh", "--node-rank", str(rank)]
-        command += ["--master-addr", "127.0.0.1", "--master-port", str(port), GPT]
-        command += ["--set", "zero_optimization.stage=2", "--set", f"trainer.output_dir={output_dir}"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    second, first = node(1), node(0)
-    outputs = [process.communicate(timeout=600)[0] for process in (first, second)]
-    assert first.returncode == 0 and second.returncode == 0, outputs[0][-3000:] + outputs[1][-3000:]
-    assert "--no_ssh --node_rank 0 --master_addr 127.0.0.1" in outputs[0]
+@pytest.mark.parametrize(
+    "launcher, stage",
+    [("deepspeed", 2), ("accelerate", 0), ("torchrun", 1)],
+    ids=["deepspeed-no-ssh-zero2", "accelerate-ddp", "torchrun-zero1"],
+)
+def test_two_nodes_train_like_one_process(launcher: str, stage: int, tmp_path: Path):
+    """Two "nodes" of one process each on loopback, one launch.sh per node: the deepspeed launcher's
+    no-ssh route with hosts 127.0.0.1 and localhost, `accelerate launch --num_machines 2` (static
+    rendezvous: the c10d one clashes on the port when both nodes start at once) and torchrun."""
+    if launcher == "deepspeed":
+        path = hostfile(tmp_path, "127.0.0.1 slots=1\nlocalhost slots=1\n")
+        options = ["--hostfile", str(path), "--no-ssh"]
+    else:
+        options = ["--launcher", launcher, "--nproc", "1", "--num-nodes", "2"]
+    output_dir = tmp_path / "run"  # one output directory: it is shared storage
+    nodes = launch_nodes(options, GPT, {"zero_optimization.stage": stage, "trainer.output_dir": output_dir})
+    assert all(node.returncode == 0 for node in nodes), nodes[0].output[-3000:] + nodes[1].output[-3000:]
+    outputs = [node.output for node in nodes]
     run = read_run(output_dir)
-    reference = reference_run(GPT, {"zero_optimization.stage": 2}, world_size=2)
+    expected_command = {
+        "deepspeed": "--no_ssh --node_rank 0 --master_addr 127.0.0.1",
+        "accelerate": "--num_machines 2 --machine_rank 0 --main_process_ip 127.0.0.1",
+        "torchrun": "--nnodes 2 --node_rank 0 --master_addr 127.0.0.1",
+    }[launcher]
+    assert expected_command in outputs[0]
+    backend = "accelerate" if launcher == "accelerate" else "deepspeed"
+    assert f"on 2 rank(s), {backend} backend" in outputs[0]
+    reference = reference_run(GPT, {"zero_optimization.stage": stage}, world_size=2)
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE
     assert (output_dir / "export" / "model.safetensors").is_file()
 

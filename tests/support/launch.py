@@ -51,12 +51,19 @@ def launch_accelerate(
     """Train `config` under `accelerate launch` with the spelling that really starts `nproc`
     processes in one world: on CPU, ACCELERATE_USE_CPU=1 with --multi_gpu (or a MULTI_GPU file)."""
     if config_file is not None:
-        launcher = ["accelerate", "launch", "--config_file", str(config_file)]
+        launcher = ["accelerate", "launch", "--config_file", str(config_file), "--main_process_port", str(free_port())]
     else:
-        launcher = ["accelerate", "launch", "--num_processes", str(nproc), *(["--multi_gpu"] if nproc > 1 else [])]
-    launcher += ["--main_process_port", str(free_port())]
-    env = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"}
-    return _launch(launcher, config, overrides, output_dir, env)
+        launcher = accelerate_launcher(nproc)
+    return _launch(launcher, config, overrides, output_dir, accelerate_env())
+
+
+def accelerate_launcher(nproc: int) -> list[str]:
+    multi = ["--multi_gpu"] if nproc > 1 else []
+    return ["accelerate", "launch", "--num_processes", str(nproc), *multi, "--main_process_port", str(free_port())]
+
+
+def accelerate_env() -> dict[str, str]:
+    return {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"}
 
 
 def deepspeed_launcher(nproc: int) -> list[str]:
@@ -102,3 +109,39 @@ def _text(value: object) -> str:
     if isinstance(value, (list, dict)):
         return json.dumps(value)
     return str(value)
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    returncode: int
+    output: str  # stdout and stderr together
+
+
+def launch_nodes(
+    launcher_options: list[str],
+    config: str,
+    overrides: dict[str, object],
+    env: dict[str, str] | None = None,
+    nodes: int = 2,
+) -> list[NodeResult]:
+    """One `launch.sh` for each of two simulated nodes on loopback (node 0 at 127.0.0.1 hosts the
+    rendezvous), started together, as operators start the nodes of a job; returns when every node has ended."""
+    port = free_port()
+    sets = [item for key, value in overrides.items() for item in ("--set", f"{key}={_text(value)}")]
+    processes = [
+        subprocess.Popen(
+            ["./launch.sh", *launcher_options, "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+            + ["--master-port", str(port), config, *sets],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (1, 0)
+    ][::-1]
+    results = []
+    for process in processes:
+        output = process.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+        results.append(NodeResult(process.returncode, output))
+    return results
