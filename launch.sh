@@ -45,6 +45,23 @@ done
 config="$1"; shift
 [[ -f "$config" ]] || { echo "launch.sh: config file '$config' not found" >&2; exit 2; }
 
+# Option combinations, checked before anything slow.
+case "$launcher" in deepspeed|accelerate|torchrun) ;;
+  *) echo "launch.sh: --launcher must be deepspeed, accelerate or torchrun, not '$launcher'" >&2; exit 2 ;;
+esac
+if [[ -n "$hostfile" ]]; then
+  [[ "$launcher" == deepspeed ]] || { echo "launch.sh: --hostfile is for the deepspeed launcher; give $launcher --num-nodes, --node-rank and --master-addr" >&2; exit 2; }
+  if [[ "$no_ssh" == 1 && ( -z "$node_rank" || -z "$master_addr" ) ]]; then
+    echo "launch.sh: --no-ssh needs --node-rank and --master-addr" >&2; exit 2
+  fi
+elif [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
+  [[ "$launcher" != deepspeed ]] || { echo "launch.sh: several nodes under the deepspeed launcher need --hostfile" >&2; exit 2; }
+  [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --num-nodes needs --node-rank and --master-addr" >&2; exit 2; }
+fi
+if [[ -z "$master_port" && ( -n "$hostfile" || -n "$num_nodes" ) ]]; then
+  echo "launch.sh: several nodes need --master-port (every node must agree on it)" >&2; exit 2
+fi
+
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ -n "$nproc_arg" ]]; then
   nproc="$nproc_arg"
@@ -55,7 +72,6 @@ else
   nproc=$(( cores >= 2 ? 2 : 1 ))
 fi
 if [[ -z "$master_port" ]]; then
-  [[ -z "$hostfile" && -z "$num_nodes" ]] || { echo "launch.sh: several nodes need --master-port (every node must agree on it)" >&2; exit 2; }
   # 29500, DeepSpeed's default, is often taken on shared machines.
   master_port=$("$PYTHON" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 elif [[ -z "$node_rank" || "$node_rank" == 0 ]]; then
@@ -70,14 +86,12 @@ world=(--world-size "$(( nproc * ${num_nodes:-1} ))")
 hosts=()
 ssh_route=0
 if [[ -n "$hostfile" ]]; then
-  [[ "$launcher" == deepspeed ]] || { echo "launch.sh: --hostfile is for the deepspeed launcher; give $launcher --num-nodes, --node-rank and --master-addr" >&2; exit 2; }
   world=(--hostfile "$hostfile" --include "$include" --exclude "$exclude" --num-nodes "${num_nodes:--1}")
   hosts=(--hostfile "$hostfile")
   [[ -z "$include" ]] || hosts+=(--include "$include")
   [[ -z "$exclude" ]] || hosts+=(--exclude "$exclude")
   [[ -z "$num_nodes" ]] || hosts+=(--num_nodes "$num_nodes")
   if [[ "$no_ssh" == 1 ]]; then
-    [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --no-ssh needs --node-rank and --master-addr" >&2; exit 2; }
     hosts+=(--no_ssh --node_rank "$node_rank")
   else
     # Our pre-flight checks every host the way pdsh will reach it; DeepSpeed's checks only the first.
@@ -87,9 +101,6 @@ if [[ -n "$hostfile" ]]; then
     [[ -z "$ssh_port" ]] || { world+=(--ssh-port "$ssh_port"); hosts+=(--ssh_port "$ssh_port"); }
   fi
   [[ -z "$master_addr" ]] || hosts+=(--master_addr "$master_addr")
-elif [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
-  [[ "$launcher" != deepspeed ]] || { echo "launch.sh: several nodes under the deepspeed launcher need --hostfile" >&2; exit 2; }
-  [[ -n "$node_rank" && -n "$master_addr" ]] || { echo "launch.sh: --num-nodes needs --node-rank and --master-addr" >&2; exit 2; }
 fi
 "$PYTHON" -m engine validate "$config" "${world[@]}" "${backend[@]}" "$@" >/dev/null
 
@@ -116,7 +127,6 @@ case "$launcher" in
     if [[ -n "$num_nodes" && "$num_nodes" -gt 1 ]]; then
       cmd+=(--nnodes "$num_nodes" --node_rank "$node_rank" --master_addr "$master_addr")
     fi ;;
-  *) echo "launch.sh: --launcher must be deepspeed, accelerate or torchrun, not '$launcher'" >&2; exit 2 ;;
 esac
 cmd+=(engine/main.py --deepspeed_config "$config" "$@")
 

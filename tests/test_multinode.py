@@ -84,6 +84,34 @@ def test_launch_script_refuses_a_master_port_in_use(tmp_path: Path):
     assert f"master port {port} is in use on this node" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (["--hostfile", "{hostfile}"], "several nodes need --master-port (every node must agree on it)"),
+        (
+            ["--hostfile", "{hostfile}", "--no-ssh", "--master-port", "{port}"],
+            "--no-ssh needs --node-rank and --master-addr",
+        ),
+        (
+            ["--launcher", "accelerate", "--hostfile", "{hostfile}", "--master-port", "{port}"],
+            "--hostfile is for the deepspeed launcher",
+        ),
+        (["--num-nodes", "2", "--master-port", "{port}"], "several nodes under the deepspeed launcher need --hostfile"),
+        (
+            ["--launcher", "torchrun", "--num-nodes", "2", "--master-port", "{port}"],
+            "--num-nodes needs --node-rank and --master-addr",
+        ),
+        (["--launcher", "mpirun"], "--launcher must be deepspeed, accelerate or torchrun, not 'mpirun'"),
+        (["--nodes", "2"], "unknown option --nodes"),
+    ],
+)
+def test_launch_script_refuses_incomplete_multi_node_options(tmp_path: Path, options: list[str], expected: str):
+    path = hostfile(tmp_path, "127.0.0.1 slots=1\nlocalhost slots=1\n")
+    command = ["./launch.sh", *(option.format(hostfile=path, port=free_port()) for option in options), GPT]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize(
     "launcher, stage",
