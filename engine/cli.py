@@ -16,9 +16,9 @@ from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
 from engine.hardware import detect_hardware
-from engine.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
-from engine.launch_env import write_launch_env
-from engine.launcher import ACCELERATE_WRAPPERS, accelerate_settings
+from engine.launch.detect import ACCELERATE_WRAPPERS, accelerate_settings
+from engine.launch.environment import write_launch_env
+from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
 from engine.parallel.layout import parallel_layout
 
 

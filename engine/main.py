@@ -13,7 +13,7 @@ elif _PROJECT not in sys.path:
     sys.path.insert(0, _PROJECT)
 
 if __name__ == "__main__":
-    from engine.supervise import should_supervise, supervise
+    from engine.failures.supervise import should_supervise, supervise
 
     if should_supervise():
         sys.exit(supervise(__file__, sys.argv[1:]))

@@ -29,14 +29,14 @@ from engine.distributed import (
     is_main_process,
 )
 from engine.export import export_model, sample_text
-from engine.faults import Fault, fault_from_env, inject
+from engine.failures.faults import Fault, fault_from_env, inject
+from engine.failures.watchdog import Watchdog, beat_interval
 from engine.hardware import Hardware, detect_hardware
-from engine.launcher import launch_problems
+from engine.launch.detect import launch_problems
 from engine.metrics import MetricsLogger
 from engine.parallel.layout import parallel_layout
 from engine.rank_logs import RankOutput, capture_rank_output
 from engine.train import LoopSettings, train
-from engine.watchdog import Watchdog, beat_interval
 from models import ModelFamily, get_family
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

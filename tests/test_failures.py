@@ -15,7 +15,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from engine.faults import Fault, parse_fault
+from engine.failures.faults import Fault, parse_fault
 from tests.support.launch import (
     ROOT,
     accelerate_env,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.launcher import accelerate_settings, detect_launcher, effective_backend, launch_problems
+from engine.launch.detect import accelerate_settings, detect_launcher, effective_backend, launch_problems
 
 LAUNCHER_ENV = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_FSDP", "LOCAL_SIZE")
 

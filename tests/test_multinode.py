@@ -1,5 +1,5 @@
-"""Multi-node launches on one machine: DeepSpeed hostfiles checked before launch, and a real
-two-node ZeRO-2 run through launch.sh's no-ssh route on loopback (one process per "node")."""
+"""Multi-node launches on one machine: DeepSpeed hostfiles and launch.sh options checked before
+launch, two-node runs on loopback through every launcher route, and the ssh pre-flight."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
-from engine.launch_env import propagated_environment, user_env_files
+from engine.launch.environment import propagated_environment, user_env_files
+from engine.launch.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
 from tests.support.compare import LOSS_TOLERANCE, max_loss_difference
 from tests.support.launch import ROOT, free_port, launch_nodes, read_run
 from tests.support.reference import reference_run

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.backends.base import Backend, Batch, to_device
 from engine.checkpoint import LATEST
 from engine.config import EngineConfig
-from engine.launcher import ACCELERATE_WRAPPERS
+from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.optim import build_optimizer, build_scheduler
 from models import ModelFamily
 

@@ -16,7 +16,7 @@ from engine.config.batch import solve_batch_triple
 from engine.config.rules import data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.hardware import Hardware
-from engine.launcher import effective_backend
+from engine.launch.detect import effective_backend
 from models import get_family
 
 # DeepSpeed's own values where the model does not suggest better ones.

@@ -15,7 +15,7 @@ from engine.config.batch import BatchError, solve_batch_triple
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
 from engine.hardware import Hardware
-from engine.launcher import effective_backend
+from engine.launch.detect import effective_backend
 from models import get_family
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from engine.supervise import LAUNCHER_PID_ENV
+from engine.failures.supervise import LAUNCHER_PID_ENV
 
 BACKENDS = ("deepspeed", "accelerate")
 # What zero_optimization.stage means under the accelerate backend (stage 1 has no FSDP equivalent).
