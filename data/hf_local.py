@@ -4,6 +4,7 @@ import tempfile
 from typing import Any
 
 import datasets
+import pyarrow
 
 
 def load_local_dataset(builder: str, **kwargs: Any) -> datasets.Dataset | datasets.DatasetDict:
@@ -15,4 +16,11 @@ def load_local_dataset(builder: str, **kwargs: Any) -> datasets.Dataset | datase
     and nothing is left on disk. Re-reading a local corpus is cheap next to training on it.
     """
     with tempfile.TemporaryDirectory(prefix="dsengine-data-") as cache_dir:
-        return datasets.load_dataset(builder, cache_dir=cache_dir, keep_in_memory=True, **kwargs)
+        try:
+            return datasets.load_dataset(builder, cache_dir=cache_dir, keep_in_memory=True, **kwargs)
+        except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as error:
+            # The builder's own message says only that "an error occurred"; the cause names the problem.
+            files = kwargs.get("data_files") or kwargs.get("data_dir")
+            files = ", ".join(map(str, files)) if isinstance(files, list) else files
+            cause = error.__cause__ or error
+            raise ValueError(f"{files} could not be read as {builder} data: {type(cause).__name__}: {cause}") from None

@@ -1,14 +1,35 @@
-"""Where checkpoints live and which one a resume picks.
+"""Where checkpoints live, how one is published, and which one a resume picks.
 
-Layout: <output_dir>/checkpoints/step00000010/ (one DeepSpeed tag per saved step) and DeepSpeed's
-`latest` file naming the newest complete tag. A tag name that sorts by step keeps `ls` readable.
+Layout: <output_dir>/checkpoints/step00000010/ (one tag per saved step, DeepSpeed's or the
+accelerate backend's files inside, plus every rank's RNG state) and a `latest` file naming the
+newest complete tag. A tag name that sorts by step keeps `ls` readable.
+
+Publishing is what makes a checkpoint trustworthy. Every rank writes into `<tag>.partial`; only
+after all ranks have finished does rank 0 rename it to `<tag>` and then replace `latest`, each an
+atomic rename on one filesystem. A crash at any moment of a save leaves `latest` naming the
+previous complete checkpoint, and a later save clears the stale `.partial`. DeepSpeed's own
+`latest` is not used: rank 0 writes it as soon as its own files are done, before the other
+ranks' partitions are.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.distributed import barrier, env_rank
 
 LATEST = "latest"
+PARTIAL = ".partial"
+_TAG = re.compile(r"^step(\d{8})$")
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -20,7 +41,7 @@ def step_tag(step: int) -> str:
 
 
 def latest_tag(root: Path) -> str | None:
-    """The tag DeepSpeed recorded as newest under `root`, or None when nothing was saved."""
+    """The tag last published under `root`, or None when nothing was."""
     marker = root / LATEST
     if not marker.is_file():
         return None
@@ -43,9 +64,101 @@ def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | No
             raise FileNotFoundError(f"trainer.resume is true but {root} holds no checkpoint to resume from")
         return root, tag
     path = Path(resume)
+    if path.name.endswith(PARTIAL):
+        raise FileNotFoundError(f"trainer.resume: {path} is an unfinished save (a crash interrupted it)")
     if (path / LATEST).is_file():
         tag = latest_tag(path)
         if tag is None:
             raise FileNotFoundError(f"trainer.resume: {path}/latest names a checkpoint that is not there")
         return path, tag
     return path.parent, path.name
+
+
+def save_checkpoint(
+    write: Callable[[Path, str], None],
+    root: Path,
+    step: int,
+    keep_last: int,
+    before_publish: Callable[[], None] = lambda: None,
+) -> str:
+    """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
+
+    `before_publish` runs on every rank once its own files are written (the fault-injection point
+    for a crash mid-save). Returns the published tag."""
+    tag = step_tag(step)
+    staging = tag + PARTIAL
+    if env_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("*" + PARTIAL):  # left by saves a crash interrupted
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+    barrier()
+    write(root, staging)
+    save_rng_state(root / staging, env_rank())
+    before_publish()
+    barrier()
+    if env_rank() == 0:
+        publish(root, staging, tag)
+        prune(root, keep_last)
+    barrier()
+    return tag
+
+
+def publish(root: Path, staging: str, tag: str) -> None:
+    """Make `staging` the checkpoint `tag` and name it in `latest`: two atomic renames."""
+    if (root / tag).exists():  # the same step saved again, after a resume from an earlier one
+        shutil.rmtree(root / tag)
+    os.replace(root / staging, root / tag)
+    pending = root / (LATEST + PARTIAL)
+    with open(pending, "w") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(pending, root / LATEST)
+
+
+def prune(root: Path, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` published tags (0: keep all); returns what went."""
+    if keep_last <= 0:
+        return []
+    tags = sorted(path.name for path in root.iterdir() if path.is_dir() and _TAG.match(path.name))
+    current = latest_tag(root)
+    doomed = [tag for tag in tags[:-keep_last] if tag != current]
+    for tag in doomed:
+        shutil.rmtree(root / tag)
+    return doomed
+
+
+def _rng_path(directory: Path, rank: int) -> Path:
+    return directory / "rng" / f"rank{rank}.pt"
+
+
+def save_rng_state(directory: Path, rank: int) -> None:
+    """Each rank's generators (dropout, augmentation): without them a resumed run draws different
+    masks from the uninterrupted one and stops being bit-identical."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+    path = _rng_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def load_rng_state(directory: Path, rank: int) -> bool:
+    """Restore this rank's generators if the checkpoint has them for this rank; False otherwise
+    (a checkpoint from another layout, or from before RNG states were saved)."""
+    path = _rng_path(directory, rank)
+    if not path.is_file():
+        return False
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True

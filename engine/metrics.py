@@ -14,7 +14,10 @@ from tqdm import tqdm
 class MetricsLogger:
     def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress_bar: bool):
         self.enabled = enabled
-        self._file = open(output_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        path = output_dir / "metrics.jsonl"
+        if enabled:
+            rewind(path, start_step)
+        self._file = open(path, "a") if enabled else None  # noqa: SIM115
         self._bar = (
             tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
             if enabled and progress_bar
@@ -50,3 +53,14 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def rewind(path: Path, step: int) -> None:
+    """Drop records after `step`: a run resumed from an earlier checkpoint in the same directory
+    continues the curve from there instead of repeating steps after the ones a crash lost."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
 from engine.backends import AccelerateBackend, Backend, PipelineBackend, build_backend
-from engine.checkpoint import checkpoint_root, resume_target, step_tag
+from engine.checkpoint import checkpoint_root, load_rng_state, resume_target, save_checkpoint, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
     barrier,
@@ -216,7 +216,13 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision])
-    start_step = 0 if prepared.resume is None else int(backend.load(*prepared.resume)["step"])
+    start_step = 0
+    if prepared.resume is not None:
+        saved = backend.load(*prepared.resume)
+        start_step = int(saved["step"])
+        # Generators continue where they were only on the layout that saved them.
+        if saved.get("world_size") == config.world_size:
+            load_rng_state(prepared.resume[0] / prepared.resume[1], env_rank())
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
     batches = make_train_loader(
@@ -261,7 +267,13 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
     )
 
     def save(step: int) -> None:
-        backend.save(checkpoint_root(output_dir), step_tag(step), {"step": step})
+        save_checkpoint(
+            lambda root, tag: backend.save(root, tag, {"step": step, "world_size": config.world_size}),
+            checkpoint_root(output_dir),
+            step,
+            keep_last=trainer["keep_checkpoints"],
+            before_publish=lambda: inject(prepared.fault, env_rank(), "save", step),
+        )
 
     def after_step(step: int) -> None:
         inject(prepared.fault, env_rank(), "step", step)

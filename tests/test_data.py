@@ -454,6 +454,16 @@ def test_missing_path_empty_file_and_tiny_corpus_errors_name_the_file(tmp_path):
         load_text_dataset(tmp_path / "no_images", seq_len=8)
 
 
+def test_corrupt_files_are_named_with_the_readers_reason(tmp_path):
+    broken_json = write(tmp_path / "broken.jsonl", '{"text": "fine"}\n{"text": broken\n')
+    with pytest.raises(ValueError, match=rf"{broken_json} could not be read as json data: ArrowInvalid: JSON parse"):
+        load_text_dataset(broken_json, seq_len=8)
+    broken_parquet = tmp_path / "broken.parquet"
+    broken_parquet.write_bytes(b"not a parquet file at all" * 4)
+    with pytest.raises(ValueError, match=rf"{broken_parquet} could not be read as parquet data: .*magic bytes"):
+        load_text_dataset(broken_parquet, seq_len=8)
+
+
 # --- images -------------------------------------------------------------------------------------
 
 

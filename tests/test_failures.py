@@ -45,7 +45,7 @@ def test_fault_spec_parses():
         ("kill,rank=1", "needs integer rank=N and step=N"),
         ("kill,rank=one,step=3", "needs integer rank=N and step=N"),
         ("kill,rank=1,step=3,when=later", "'when=later' is not rank=N, step=N or at=POINT"),
-        ("kill,rank=1,step=3,at=lunch", "at=lunch is not one of step"),
+        ("kill,rank=1,step=3,at=lunch", "at=lunch is not one of step, save"),
     ],
 )
 def test_bad_fault_specs_are_refused_before_anything_starts(tmp_path: Path, text: str, expected: str):

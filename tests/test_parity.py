@@ -49,10 +49,17 @@ VARIANTS = [
 CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
 
 
+# Each mode runs GPT with clipping (each ZeRO stage computes the global norm its own way) and
+# ResNet without (BatchNorm and convolutions, held to the tighter unclipped tolerance).
+CASES = [(variant, family, clipping) for variant in VARIANTS for family, clipping in (("gpt", 1.0), ("resnet", 0.0))]
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["noclip", "clip"])
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("variant", VARIANTS, ids=[variant.name for variant in VARIANTS])
+@pytest.mark.parametrize(
+    "variant, family, clipping",
+    CASES,
+    ids=[f"{variant.name}-{family}-{'clip' if clipping else 'noclip'}" for variant, family, clipping in CASES],
+)
 def test_two_ranks_match_single_process(family: str, variant: Variant, clipping: float, tmp_path: Path):
     overrides = {**variant.overrides, "gradient_clipping": clipping}
     run = launch(CONFIGS[family], overrides, tmp_path / "run", nproc=2)

@@ -34,7 +34,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.backends.base import Backend, Batch, to_device
-from engine.checkpoint import LATEST
 from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.optim import build_optimizer, build_scheduler
@@ -151,10 +150,6 @@ class AccelerateBackend(Backend):
         if dist.get_rank() == 0:
             scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
             torch.save({"client_state": client_state, "scheduler": scheduler}, path / _ENGINE_STATE)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            # Written last, as DeepSpeed writes its own: a resume never picks a half-written tag.
-            (checkpoint_dir / LATEST).write_text(tag)
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path = checkpoint_dir / tag

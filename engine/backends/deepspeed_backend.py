@@ -34,7 +34,8 @@ class DeepSpeedEngineBackend(Backend):
         return float(self.engine.get_lr()[0])
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
-        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state)
+        # `latest` is published by engine.checkpoint once every rank is done, not by DeepSpeed.
+        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)

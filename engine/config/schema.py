@@ -439,6 +439,11 @@ _TRAINER = _object(
         "eval_interval": _integer("Steps between evaluations; 0: evaluate only at the end.", 0, minimum=0),
         "eval_batches": _integer("Micro-batches per rank in one evaluation.", 8, minimum=1),
         "save_interval": _integer("Steps between checkpoints; 0: only at the end.", 0, minimum=0),
+        "keep_checkpoints": _integer(
+            "Newest published checkpoints to keep; older ones are deleted after each save. 0: keep all.",
+            0,
+            minimum=0,
+        ),
         "resume": {
             "anyOf": [{"type": "boolean"}, {"type": "string"}],
             "description": "true: continue from the latest checkpoint in output_dir (an error if none); a "

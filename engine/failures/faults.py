@@ -1,6 +1,7 @@
 """Deliberate failures, so tests (and users rehearsing an incident) can see how a job ends.
 
-`ENGINE_FAULT="kill,rank=1,step=3"` makes rank 1 act after optimizer step 3:
+`ENGINE_FAULT="kill,rank=1,step=3"` makes rank 1 act after optimizer step 3 (`at=save`: in the
+checkpoint save of step 3, once its own files are written and before the checkpoint is published):
   kill   SIGKILL itself, as a segfault or the kernel's out-of-memory killer would;
   hang   SIGSTOP itself, as a rank stuck in a driver call or on a lost node would look;
   raise  raise a Python error, as a bug or a bad batch would.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 ENV_VAR = "ENGINE_FAULT"
 ACTIONS = ("kill", "hang", "raise")
-POINTS = ("step",)
+POINTS = ("step", "save")
 
 
 class InjectedFault(RuntimeError):

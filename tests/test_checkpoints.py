@@ -1,0 +1,107 @@
+"""Checkpoints you can trust: published only when every rank has written, older ones pruned, and a
+run killed mid-training or mid-save resumes to bit-identical weights (dropout on, so the RNG
+states must come back too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import LATEST, PARTIAL, latest_tag, prune, publish, resume_target
+from tests.support.launch import deepspeed_launcher, launch, read_run, run_launcher
+
+GPT = "configs/tiny_gpt.json"
+# Dropout draws from every rank's generator each step: resumes are exact only if RNG states are.
+RUN = {
+    "zero_optimization.stage": 2,
+    "model.dropout": 0.1,
+    "trainer.max_steps": 8,
+    "trainer.save_interval": 2,
+    "trainer.keep_checkpoints": 2,
+}
+
+
+def make_tag(root: Path, tag: str) -> None:
+    (root / tag).mkdir(parents=True)
+    (root / tag / "weights.pt").write_text(tag)
+
+
+def test_publish_renames_the_staging_directory_then_replaces_latest(tmp_path: Path):
+    make_tag(tmp_path, "step00000002" + PARTIAL)
+    publish(tmp_path, "step00000002" + PARTIAL, "step00000002")
+    make_tag(tmp_path, "step00000004" + PARTIAL)
+    assert latest_tag(tmp_path) == "step00000002"  # an unfinished save is invisible to a resume
+    publish(tmp_path, "step00000004" + PARTIAL, "step00000004")
+    assert latest_tag(tmp_path) == "step00000004"
+    assert not (tmp_path / ("step00000004" + PARTIAL)).exists()
+    assert not (tmp_path / (LATEST + PARTIAL)).exists()
+
+
+def test_prune_keeps_the_newest_and_never_the_one_latest_names(tmp_path: Path):
+    for step in (2, 4, 6, 8):
+        make_tag(tmp_path, f"step{step:08d}")
+    (tmp_path / LATEST).write_text("step00000002")  # a resume from step 2 re-saving its way up
+    assert prune(tmp_path, keep_last=2) == ["step00000004"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_dir()) == [
+        "step00000002",
+        "step00000006",
+        "step00000008",
+    ]
+    assert prune(tmp_path, keep_last=0) == []
+
+
+def test_an_unfinished_save_is_refused_as_a_resume_target(tmp_path: Path):
+    make_tag(tmp_path, "step00000004" + PARTIAL)
+    with pytest.raises(FileNotFoundError, match="is an unfinished save"):
+        resume_target(str(tmp_path / ("step00000004" + PARTIAL)), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    launch(GPT, RUN, output_dir)
+    return output_dir
+
+
+def assert_same_training(resumed: Path, straight: Path, from_step: int) -> None:
+    resumed_run, straight_run = read_run(resumed), read_run(straight)
+    resumed_records = [record for record in resumed_run.records if record["step"] > from_step]
+    assert [record["step"] for record in resumed_records] == list(range(from_step + 1, 9))
+    assert [record["loss"] for record in resumed_records] == straight_run.losses[from_step:]
+    final, expected = resumed_run.exported_state_dict(), straight_run.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+
+
+@pytest.mark.launch
+def test_keep_checkpoints_prunes_older_saves(uninterrupted: Path):
+    root = uninterrupted / "checkpoints"
+    assert sorted(path.name for path in root.iterdir() if path.is_dir()) == ["step00000006", "step00000008"]
+    assert latest_tag(root) == "step00000008"
+    assert all((root / "step00000008" / "rng" / f"rank{rank}.pt").is_file() for rank in (0, 1))
+
+
+@pytest.mark.launch
+def test_a_run_killed_mid_training_resumes_bit_identically(uninterrupted: Path, tmp_path: Path):
+    killed = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, {"ENGINE_FAULT": "kill,rank=1,step=5"})
+    assert killed.returncode != 0
+    assert latest_tag(tmp_path / "checkpoints") == "step00000004"
+    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
+    assert_same_training(tmp_path, uninterrupted, from_step=4)
+
+
+@pytest.mark.launch
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
+    """Rank 1 dies once its own files of the step-4 save are written, before the save is published."""
+    fault = {"ENGINE_FAULT": "kill,rank=1,step=4,at=save"}
+    killed = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, fault)
+    assert killed.returncode != 0
+    root = tmp_path / "checkpoints"
+    assert latest_tag(root) == "step00000002"
+    assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
+    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
+    assert not (root / ("step00000004" + PARTIAL)).exists()  # the next save cleared it
+    assert_same_training(tmp_path, uninterrupted, from_step=2)
