@@ -1,7 +1,8 @@
 """Where checkpoints live, how one is published, and which one a resume picks.
 
 Layout: <output_dir>/checkpoints/step00000010/ (one tag per saved step, DeepSpeed's or the
-accelerate backend's files inside, plus every rank's RNG state) and a `latest` file naming the
+accelerate backend's files inside, plus every rank's RNG state, the saving layout and, once a
+resume on another layout has converted it, its universal form) and a `latest` file naming the
 newest complete tag. A tag name that sorts by step keeps `ls` readable.
 
 Publishing is what makes a checkpoint trustworthy. Every rank writes into `<tag>.partial`; only
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.distributed import barrier, env_rank
+from engine.reshape import write_layout
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -79,12 +81,14 @@ def save_checkpoint(
     root: Path,
     step: int,
     keep_last: int,
+    layout: dict[str, Any],
     before_publish: Callable[[], None] = lambda: None,
 ) -> str:
     """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
 
-    `before_publish` runs on every rank once its own files are written (the fault-injection point
-    for a crash mid-save). Returns the published tag."""
+    `layout` (engine.reshape.layout_record) is kept with the checkpoint, so a resume on another
+    layout knows what it is converting from. `before_publish` runs on every rank once its own
+    files are written (the fault-injection point for a crash mid-save). Returns the published tag."""
     tag = step_tag(step)
     staging = tag + PARTIAL
     if env_rank() == 0:
@@ -97,6 +101,8 @@ def save_checkpoint(
     barrier()
     write(root, staging)
     save_rng_state(root / staging, env_rank())
+    if env_rank() == 0:
+        write_layout(root / staging, layout)
     before_publish()
     barrier()
     if env_rank() == 0:

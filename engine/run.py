@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import AccelerateBackend, Backend, PipelineBackend, build_backend
+from engine.backends import AccelerateBackend, Backend, DeepSpeedEngineBackend, PipelineBackend, build_backend
 from engine.checkpoint import checkpoint_root, load_rng_state, resume_target, save_checkpoint, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -29,13 +29,16 @@ from engine.distributed import (
     is_main_process,
 )
 from engine.export import export_model, sample_text
-from engine.failures.faults import Fault, fault_from_env, inject
+from engine.failures.faults import Fault, fault_from_env, inject, loss_hook
 from engine.failures.watchdog import Watchdog, beat_interval
 from engine.hardware import Hardware, detect_hardware
 from engine.launch.detect import launch_problems
 from engine.metrics import MetricsLogger
+from engine.nonfinite import NonfinitePolicy
 from engine.parallel.layout import parallel_layout
+from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal, saved_names
 from engine.rank_logs import RankOutput, capture_rank_output
+from engine.reshape import describe, layout_record, needs_conversion, read_layout
 from engine.train import LoopSettings, train
 from models import ModelFamily, get_family
 
@@ -66,11 +69,14 @@ def load_data(config: EngineConfig) -> DataBundle:
         raise RunError(f"data error: {error}") from None
 
 
-def settle_vocabulary(config: EngineConfig, bundle: DataBundle) -> EngineConfig:
-    """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it."""
+def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size: int | None = None) -> EngineConfig:
+    """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it.
+
+    A resumed run keeps the vocabulary of the checkpoint (`saved_vocab_size`), which "auto" may
+    have padded for another tensor-parallel degree."""
     if bundle.vocab_size is None:
         return config
-    config = config.with_vocab_size(bundle.vocab_size)
+    config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
     if config.model["vocab_size"] < bundle.vocab_size:
         raise ConfigError(
             [
@@ -93,6 +99,8 @@ class Prepared:
     data: DataBundle
     hardware: Hardware
     resume: tuple[Path, str] | None
+    saved_layout: dict | None  # the layout that saved the checkpoint resumed from
+    reshape: bool  # saved on another layout: resume through a universal checkpoint
     fault: Fault | None
 
 
@@ -105,13 +113,23 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         raise RunError("launch error:\n  " + "\n  ".join(problems))
     torch.set_num_threads(config.trainer["threads_per_rank"])
     bundle = load_data(config)
-    config = settle_vocabulary(config, bundle)
     try:
         resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
+        saved = read_layout(resume[0] / resume[1]) if resume else None
+        config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
+        reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
         fault = fault_from_env()
     except (FileNotFoundError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, fault)
+    return Prepared(config, bundle, hardware, resume, saved, reshape, fault)
+
+
+def checkpoint_layout(config: EngineConfig) -> dict:
+    layout = parallel_layout(config)
+    vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
+    return layout_record(
+        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size
+    )
 
 
 def loop_settings(config: EngineConfig) -> LoopSettings:
@@ -125,6 +143,9 @@ def loop_settings(config: EngineConfig) -> LoopSettings:
         items_per_step=config.document["train_batch_size"] * (config.data["seq_len"] if is_gpt else 1),
         throughput_key="tokens_per_s" if is_gpt else "images_per_s",
         world_size=config.world_size,
+        nonfinite=NonfinitePolicy(
+            trainer["nonfinite"], trainer["max_skipped_steps"], checkpoint_root(Path(trainer["output_dir"]))
+        ),
     )
 
 
@@ -205,6 +226,16 @@ def _is_communication_error(error: Exception) -> bool:
     )
 
 
+def reshape_checkpoint(tag_dir: Path) -> Path:
+    """Rank 0 converts checkpoint `tag_dir` to a universal one (once: it is kept); the others wait."""
+    universal = tag_dir / UNIVERSAL_FOLDER
+    if is_main_process() and not universal.is_dir():
+        print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
+        convert_to_universal(tag_dir)
+    barrier()
+    return universal
+
+
 def train_run(prepared: Prepared, device: torch.device) -> None:
     """Build the backend, train, save and export; the process group is already up."""
     config, bundle = prepared.config, prepared.data
@@ -215,10 +246,16 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
 
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
-    backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision])
+    if prepared.reshape:
+        universal = reshape_checkpoint(prepared.resume[0] / prepared.resume[1])
+    backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision], prepared.reshape)
     start_step = 0
     if prepared.resume is not None:
-        saved = backend.load(*prepared.resume)
+        if prepared.reshape:
+            assert isinstance(backend, DeepSpeedEngineBackend)
+            saved = backend.load_universal(universal, saved_names(prepared.resume[0] / prepared.resume[1]))
+        else:
+            saved = backend.load(*prepared.resume)
         start_step = int(saved["step"])
         # Generators continue where they were only on the layout that saved them.
         if saved.get("world_size") == config.world_size:
@@ -265,6 +302,11 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
         f"global batch {config.document['train_batch_size']}"
         + (f", resuming at step {start_step}" if start_step else "")
     )
+    if prepared.reshape:
+        logger.write(
+            f"resumed through a universal checkpoint: saved on {describe(prepared.saved_layout)}, "
+            f"now {describe(checkpoint_layout(config))}"
+        )
 
     def save(step: int) -> None:
         save_checkpoint(
@@ -272,13 +314,19 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
             checkpoint_root(output_dir),
             step,
             keep_last=trainer["keep_checkpoints"],
+            layout=checkpoint_layout(config),
             before_publish=lambda: inject(prepared.fault, env_rank(), "save", step),
         )
 
     def after_step(step: int) -> None:
         inject(prepared.fault, env_rank(), "step", step)
 
-    last_saved = train(backend, family, batches, eval_batches, settings, logger, save, start_step, after_step)
+    def before_step(step: int) -> None:
+        backend.loss_hook = loss_hook(prepared.fault, env_rank(), step)
+
+    last_saved = train(
+        backend, family, batches, eval_batches, settings, logger, save, start_step, after_step, before_step
+    )
     if trainer["export"]:
         export_and_sample(config, family, backend, bundle, step_tag(last_saved), logger)
     logger.close()

@@ -1,7 +1,8 @@
-"""The training loop: fetch a batch, forward, backward, step, log, evaluate, checkpoint.
+"""The training loop: fetch a batch, forward, backward, step, check, log, evaluate, checkpoint.
 
-Everything below works on values that stay on the device; the loop touches the host only at
-log and eval points (one all-reduce each), so a GPU is never stalled by per-step `.item()`.
+Everything below works on values that stay on the device. The loop touches the host once per step,
+for the non-finite check (a 2-element all-reduce: it must end a bad run before that step is saved),
+and otherwise only at log and eval points (one all-reduce each).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from engine.backends import Backend
 from engine.distributed import all_reduce_sum
 from engine.metrics import MetricsLogger
+from engine.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
 from models import ModelFamily
 
 
@@ -27,6 +29,7 @@ class LoopSettings:
     items_per_step: int  # tokens (GPT) or images (ResNet) in one global batch
     throughput_key: str  # "tokens_per_s" or "images_per_s"
     world_size: int
+    nonfinite: NonfinitePolicy
 
 
 def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict:
@@ -45,16 +48,24 @@ def train(
     save: Callable[[int], None],
     start_step: int,
     after_step: Callable[[int], None] = lambda step: None,
+    before_step: Callable[[int], None] = lambda step: None,
 ) -> int:
     """Run from `start_step` to `settings.max_steps`; returns the last step saved.
-    `after_step` runs after each optimizer step (the fault-injection point)."""
+    `before_step` and `after_step` run around each optimizer step (the fault-injection points)."""
     step, saved = start_step, start_step
     window_start, window_steps = time.perf_counter(), 0
+    guard = NonfiniteGuard(settings.nonfinite)
     while step < settings.max_steps:
         lr = backend.learning_rate()
+        before_step(step + 1)
+        skipped_before = backend.skipped_steps()
         loss = backend.train_step(batches)
         step += 1
         window_steps += 1
+        health = step_health(loss, update_dropped=backend.skipped_steps() > skipped_before)
+        note = guard.check(step, health, backend.loss_scale())
+        if note is not None:
+            logger.write(note)
         after_step(step)
 
         last = step == settings.max_steps
@@ -68,7 +79,11 @@ def train(
                 "lr": lr,
                 settings.throughput_key: settings.items_per_step * window_steps / elapsed,
                 "step_time_s": elapsed / window_steps,
+                "skipped_steps": guard.skipped,
             }
+            loss_scale = backend.loss_scale()
+            if loss_scale is not None:
+                record["loss_scale"] = loss_scale
             if eval_due:
                 record.update(evaluate(backend, family, eval_batches()))
             logger.log(record)

@@ -44,3 +44,25 @@ def test_model_parallel_bf16_trains_over_nccl(parallel: dict, tmp_path: Path):
     run = launch("configs/tiny_gpt.json", overrides, tmp_path, nproc=2)
     assert all(torch.isfinite(torch.tensor(run.losses)))
     assert all(tensor.dtype == torch.float32 for tensor in run.exported_state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+def test_fp16_overflows_are_skipped_by_the_loss_scaler_and_reported(tmp_path: Path):
+    """A loss scale of 2**24 overflows fp16 gradients at once: the scaler halves it step by step
+    (hysteresis 1), each overflow is counted and reported, and none stops the run under "stop"."""
+    overrides = {
+        "fp16.enabled": True,
+        "fp16.initial_scale_power": 24,
+        "fp16.hysteresis": 1,
+        "zero_optimization.stage": 2,
+        "trainer.max_steps": 16,
+    }
+    run = launch("configs/tiny_gpt.json", overrides, tmp_path, nproc=1)
+    skipped = [record["skipped_steps"] for record in run.records]
+    scales = [record["loss_scale"] for record in run.records]
+    assert skipped[0] >= 1 and skipped == sorted(skipped)
+    assert scales[0] < 2**24 and scales == sorted(scales, reverse=True)
+    assert "fp16 gradient overflow, update skipped by the loss scaler" in run.stdout
+    assert all(torch.isfinite(torch.tensor(run.losses)))
+    assert all(torch.isfinite(tensor).all() for tensor in run.exported_state_dict().values())

@@ -1,6 +1,7 @@
 """Pipeline stages, tensor-parallel shards and both together with data parallelism, launched
 for real under the deepspeed launcher, train the same numbers as one plain PyTorch process on
-the same global batch (fp32, CPU, gloo), and resume exactly."""
+the same global batch (fp32, CPU, gloo). Resumes, on the same layout and on others, are in
+test_reshape.py."""
 
 from __future__ import annotations
 
@@ -68,29 +69,20 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
     assert run.losses[-1] < run.losses[0]
     assert_weights_match(run.exported_state_dict(), reference.model, layout.weight_tolerance)
     assert "eval_loss" in run.records[-1]
+    assert_start_up_table(run.stdout, layout)
 
 
-@pytest.mark.launch
-def test_start_up_prints_which_rank_holds_what(tmp_path: Path):
-    run = launch(GPT, {**PP2, **TP2}, tmp_path / "run", nproc=4)
-    log = run.stdout
-    assert "rank layout: 2 pipeline stage(s) x 1 data-parallel replica(s) x 2 tensor shard(s)" in log
-    assert "rank 3: stage 2/2 (layers " in log and "tensor shard 2/2, data replica 1/1" in log
-
-
-@pytest.mark.launch
-@pytest.mark.parametrize("parallel", [PP2, TP2], ids=["pp2", "tp2"])
-def test_resume_continues_exactly(parallel: dict, tmp_path: Path):
-    overrides = {**parallel, "trainer.max_steps": 6, "trainer.save_interval": 3}
-    straight = launch(GPT, overrides, tmp_path / "straight")
-    checkpoint = straight.output_dir / "checkpoints" / "step00000003"
-    resumed = launch(GPT, {**overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
-    assert [record["step"] for record in resumed.records] == [4, 5, 6]
-    assert resumed.losses == straight.losses[3:]
-    final, expected = resumed.exported_state_dict(), straight.exported_state_dict()
-    assert final.keys() == expected.keys()
-    for name in final:
-        assert torch.equal(final[name], expected[name]), name
+def assert_start_up_table(log: str, layout: Layout) -> None:
+    """The start-up table says which stage, tensor shard and data replica every rank holds."""
+    stages = layout.overrides.get("parallel.pipeline_parallel_size", 1)
+    shards = layout.overrides.get("parallel.tensor_parallel_size", 1)
+    replicas = layout.nproc // (stages * shards)
+    assert (
+        f"rank layout: {stages} pipeline stage(s) x {replicas} data-parallel replica(s) x {shards} tensor shard(s)"
+        in log
+    )
+    last = f"rank {layout.nproc - 1}: stage {stages}/{stages}" + (" (layers " if stages > 1 else ",")
+    assert last in log and f"tensor shard {shards}/{shards}, data replica {replicas}/{replicas}" in log
 
 
 @pytest.mark.launch

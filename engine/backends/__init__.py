@@ -3,8 +3,15 @@ evaluate, save and load, so the loop never knows which library is underneath."""
 
 from engine.backends.accelerate_backend import AccelerateBackend
 from engine.backends.base import Backend
-from engine.backends.deepspeed_backend import DeepSpeedBackend
+from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
 from engine.backends.factory import build_backend
 from engine.backends.pipeline_backend import PipelineBackend
 
-__all__ = ["AccelerateBackend", "Backend", "DeepSpeedBackend", "PipelineBackend", "build_backend"]
+__all__ = [
+    "AccelerateBackend",
+    "Backend",
+    "DeepSpeedBackend",
+    "DeepSpeedEngineBackend",
+    "PipelineBackend",
+    "build_backend",
+]

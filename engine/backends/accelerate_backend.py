@@ -72,6 +72,7 @@ class AccelerateBackend(Backend):
             self.model = _fully_shard(model, family, device, reshard=full, offload=offloads(config))
         self.optimizer = build_optimizer(document["optimizer"], [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
+        self._skipped = 0
         self._check_wrapper()
 
     def _check_wrapper(self) -> None:
@@ -118,16 +119,31 @@ class AccelerateBackend(Backend):
             batch = to_device(next(batches), self.device, torch.float32)
             with self._gradient_sync(micro_step == self._accumulation - 1):
                 with self._autocast():
-                    loss = self.family.compute_loss(self.model, batch)
+                    loss = self.hooked(self.family.compute_loss(self.model, batch))
                 (loss / self._accumulation).backward()
             loss_sum += loss.detach().float()
-        if self._clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clipping)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        # The same test DeepSpeed's optimizers make, at the same cost (a host sync per step): a NaN/inf
+        # gradient never reaches the weights, the optimizer's moments or the LR schedule, whatever
+        # trainer.nonfinite says; the loop reads skipped_steps and applies the policy.
+        if torch.isfinite(self._gradient_norm()):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self._skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / self._accumulation
+
+    def _gradient_norm(self) -> torch.Tensor:
+        """The gradients' global norm, clipping them to gradient_clipping on the way when that is set.
+
+        Every rank gets the same value without another collective: DDP has already all-reduced the
+        gradients, and FSDP's norm of sharded gradients is reduced over the shards (`full_tensor`)."""
+        if self._clipping > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clipping)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
         self.model.eval()
@@ -142,6 +158,12 @@ class AccelerateBackend(Backend):
 
     def learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def loss_scale(self) -> float | None:
+        return None  # fp16 is refused on this backend (engine/config/rules.py)
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
         path = checkpoint_dir / tag

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,9 @@ class Backend(ABC):
     """
 
     device: torch.device
+    # Applied to every micro-batch loss before backward while set: the `nan` fault's entry point
+    # (engine/failures/faults.py), a hook so that no backend knows about faults.
+    loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @abstractmethod
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
@@ -36,6 +39,19 @@ class Backend(ABC):
 
     @abstractmethod
     def learning_rate(self) -> float: ...
+
+    @abstractmethod
+    def skipped_steps(self) -> int:
+        """Updates the optimizer has dropped so far because a gradient was NaN or inf (an fp16
+        overflow among them), leaving the weights and the LR schedule as they were. The same on every
+        rank: the test runs on gradients already reduced over the ranks."""
+
+    @abstractmethod
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale; None where no loss scaler runs."""
+
+    def hooked(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_hook is None else self.loss_hook(loss)
 
     @abstractmethod
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:

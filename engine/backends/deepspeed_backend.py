@@ -16,11 +16,13 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
+from engine.parallel.universal import canonical_names, loading_view, merged_info, save_names, universal_info
 from models import ModelFamily
 
 
@@ -29,19 +31,51 @@ class DeepSpeedEngineBackend(Backend):
     and checkpoints through `save_checkpoint` / `load_checkpoint`."""
 
     engine: deepspeed.DeepSpeedEngine
+    grid: PipelineParallelGrid | None
+    _names: dict[int, str]  # the unsplit model's name of every tensor, by identity
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        module = self.engine.module
+        tensor_size = self.grid.get_slice_parallel_world_size() if self.grid is not None else 1
+        # What ds_to_universal needs to join this layout's pieces, should a later run reshape it.
+        infos: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(infos, universal_info(module, tensor_size))
+        client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: merged_info([info for info in infos if info])}
         # `latest` is published by engine.checkpoint once every rank is done, not by DeepSpeed.
         self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+        save_names(checkpoint_dir / tag, dist.get_rank(), canonical_names(module, self._names))
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
         return client_state or {}
+
+    def load_universal(self, universal_dir: Path, saved_names: dict[str, str]) -> dict[str, Any]:
+        """Restore from a universal checkpoint (built with `checkpoint.load_universal` on), under this
+        run's parameter names: rank 0 links a view of it that every rank then loads its partitions from.
+
+        Collective: the names of every pipeline stage are gathered for the view."""
+        names: list[dict[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, canonical_names(self.engine.module, self._names))
+        view = universal_dir.parent / "views" / f"world{dist.get_world_size()}"
+        if dist.get_rank() == 0:
+            wanted = {local: canonical for rank_names in names for local, canonical in (rank_names or {}).items()}
+            loading_view(universal_dir, saved_names, wanted, view)
+        dist.barrier()
+        return self.load(view.parent, view.name)
+
+    def skipped_steps(self) -> int:
+        # Counted in `_take_model_step` whenever the optimizer reports `overflow`: ZeRO 1-3 and the
+        # bf16/fp16 wrappers test the gradients' norm; fp32 ZeRO-0's bare torch optimizer never skips.
+        return self.engine.skipped_steps
+
+    def loss_scale(self) -> float | None:
+        # Every DeepSpeed fp16 optimizer (ZeRO or not) exposes its scaler's current scale so.
+        return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
 
 
 class DeepSpeedBackend(DeepSpeedEngineBackend):
@@ -72,6 +106,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self._accumulation):
             loss = self.family.compute_loss(self.engine, to_device(next(batches), self.device, self.input_dtype))
+            loss = self.hooked(loss)
             self.engine.backward(loss)
             self.engine.step()
             loss_sum += loss.detach().float()

@@ -22,30 +22,39 @@ from models.tensor_parallel import apply_tensor_parallel
 
 
 def build_backend(
-    config: EngineConfig, family: ModelFamily, device: torch.device, input_dtype: torch.dtype
+    config: EngineConfig,
+    family: ModelFamily,
+    device: torch.device,
+    input_dtype: torch.dtype,
+    load_universal: bool = False,
 ) -> tuple[Backend, int]:
     """The backend and this rank's data-parallel index (which shard of each batch it reads).
 
     The caller has seeded every rank alike, so `family.build` gives every rank the same weights.
+    `load_universal`: the run resumes from a universal checkpoint (DeepSpeed decides at
+    initialisation how its optimizer will load).
     """
     layout = parallel_layout(config)
     model = family.build(config.model)
+    ds_config = config.deepspeed_config()
+    if load_universal:
+        ds_config["checkpoint"] = {"load_universal": True}
     if config.trainer["backend"] == "accelerate":
         return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
     if not layout.model_parallel:
-        backend = DeepSpeedBackend(model, family, config.deepspeed_config(), device, input_dtype)
+        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype)
         return backend, torch.distributed.get_rank()
     # DeepSpeed's grid creates the data-, tensor- and pipeline-parallel groups from the topology.
     grid = PipelineParallelGrid(topology=layout.topology())
     if layout.tensor > 1:
         apply_tensor_parallel(model, family.tensor_parallel, grid.get_slice_parallel_group())
     if layout.pipeline == 1:
-        backend = DeepSpeedBackend(model, family, config.deepspeed_config(), device, input_dtype, grid=grid)
+        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, grid=grid)
     else:
         backend = PipelineBackend(
             model,
             family,
-            config.deepspeed_config(),
+            ds_config,
             device,
             input_dtype,
             layout,

@@ -86,7 +86,15 @@ class PipelineBackend(DeepSpeedEngineBackend):
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         # train_batch returns the step's loss averaged over the data-parallel replicas, on every stage.
-        return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
+        if self.loss_hook is None:
+            return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
+        # Losses exist on the last stage only, inside the schedule: the hook goes into the loss function.
+        hook, loss = self.loss_hook, self.family.pipeline.loss
+        self.module.loss_fn = lambda outputs, labels: hook(loss(outputs, labels))
+        try:
+            return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
+        finally:
+            self.module.loss_fn = loss
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
         batches = list(batches)

@@ -237,6 +237,23 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
         yield ConfigIssue("trainer.resume", f"{resume!r} is not a checkpoint directory")
 
 
+def check_nonfinite(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """Under "skip" the optimizer must test gradients for NaN/inf and drop the update itself. Every
+    DeepSpeed optimizer but one does (ZeRO 1-3, and the bf16/fp16 wrappers at ZeRO-0, all drop the update
+    and hold the LR schedule); fp32 ZeRO-0 runs the bare torch optimizer, which writes NaN into the weights.
+    The accelerate backend tests gradients itself. "auto" precision counts as fp32: it is fp32 on CPU."""
+    if document["trainer"]["nonfinite"] != "skip" or effective_backend(document["trainer"]["backend"]) != "deepspeed":
+        return
+    mixed = document["fp16"]["enabled"] is True or document["bf16"]["enabled"] is True
+    if document["zero_optimization"]["stage"] == 0 and not mixed:
+        yield ConfigIssue(
+            "trainer.nonfinite",
+            '"skip" needs an optimizer that drops an update with NaN/inf gradients, and DeepSpeed\'s fp32 ZeRO-0 '
+            "optimizer applies it; skip works under zero_optimization.stage 1-3, with bf16.enabled or "
+            'fp16.enabled true, or on the accelerate backend; otherwise use "stop"',
+        )
+
+
 def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """What the accelerate backend (DDP / torch FSDP2) cannot honour of a DeepSpeed-shaped config."""
     if effective_backend(document["trainer"]["backend"]) != "accelerate":
@@ -273,6 +290,7 @@ RULES: tuple[Rule, ...] = (
     check_model,
     check_data,
     check_trainer,
+    check_nonfinite,
     check_accelerate_backend,
 )
 

@@ -450,6 +450,20 @@ _TRAINER = _object(
             "path: continue from that checkpoint directory; false: start fresh.",
             "default": False,
         },
+        "nonfinite": _enum(
+            ["stop", "skip"],
+            "A step whose loss or gradients are NaN/inf: stop the run there, before it is saved, naming the step "
+            'and the last good checkpoint; or "skip" its update (weights and LR schedule unchanged), count it and '
+            "go on. skip needs an optimizer that tests gradients: any accelerate layout, and DeepSpeed under "
+            "ZeRO >= 1 or bf16/fp16, not fp32 ZeRO-0. fp16 overflows are the loss scaler's and never stop a run.",
+            "stop",
+        ),
+        "max_skipped_steps": _integer(
+            'Under nonfinite "skip": the run stops as under "stop" once more steps than this have been skipped '
+            "(counted from the start of this process, fp16 overflows not included). 0: no limit.",
+            10,
+            minimum=0,
+        ),
         "export": _boolean("Write consolidated fp32 weights to <output_dir>/export at the end.", True),
         "sample_tokens": _integer(
             "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0

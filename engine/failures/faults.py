@@ -4,7 +4,10 @@
 checkpoint save of step 3, once its own files are written and before the checkpoint is published):
   kill   SIGKILL itself, as a segfault or the kernel's out-of-memory killer would;
   hang   SIGSTOP itself, as a rank stuck in a driver call or on a lost node would look;
-  raise  raise a Python error, as a bug or a bad batch would.
+  raise  raise a Python error, as a bug or a bad batch would;
+  nan    make that rank's loss NaN in step 3 itself, before backward, so the gradients are NaN too,
+         as a bad batch or a diverging run would (trainer.nonfinite decides what follows; under
+         pipeline parallelism only last-stage ranks compute a loss; no at=save).
 It reads the environment because a failure drill must not need a different config than the run
 it rehearses, and every launcher passes the environment on to its ranks.
 """
@@ -13,10 +16,15 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ENV_VAR = "ENGINE_FAULT"
-ACTIONS = ("kill", "hang", "raise")
+ACTIONS = ("kill", "hang", "raise", "nan")
 POINTS = ("step", "save")
 
 
@@ -45,6 +53,8 @@ def parse_fault(text: str) -> Fault:
         raise ValueError(f"{ENV_VAR}: action '{action}' is not one of {', '.join(ACTIONS)} (in '{text}')")
     if values.get("at", "step") not in POINTS:
         raise ValueError(f"{ENV_VAR}: at={values['at']} is not one of {', '.join(POINTS)}")
+    if action == "nan" and values.get("at", "step") != "step":
+        raise ValueError(f"{ENV_VAR}: nan acts on the loss of a step; drop at={values['at']}")
     try:
         return Fault(action, int(values.get("rank", "0")), int(values["step"]), values.get("at", "step"))
     except (KeyError, ValueError):
@@ -57,8 +67,8 @@ def fault_from_env() -> Fault | None:
 
 
 def inject(fault: Fault | None, rank: int, point: str, step: int) -> None:
-    """Act out `fault` if it is due at this rank, point and step."""
-    if fault is None or (fault.rank, fault.at, fault.step) != (rank, point, step):
+    """Act out `fault` if it is due at this rank, point and step (`nan` acts through `loss_hook`)."""
+    if fault is None or fault.action == "nan" or (fault.rank, fault.at, fault.step) != (rank, point, step):
         return
     print(f"rank {rank}: {ENV_VAR} injects '{fault.action}' at {point} {step}", flush=True)
     if fault.action == "kill":
@@ -67,3 +77,12 @@ def inject(fault: Fault | None, rank: int, point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise InjectedFault(f"{ENV_VAR} raised at {point} {step}")
+
+
+def loss_hook(fault: Fault | None, rank: int, step: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The `nan` action for this rank's coming step `step`: a hook that makes each loss of the step NaN
+    (a backend applies it before backward); None when no `nan` is due then."""
+    if fault is None or fault.action != "nan" or (fault.rank, fault.step) != (rank, step):
+        return None
+    print(f"rank {rank}: {ENV_VAR} injects 'nan' into the loss of step {step}", flush=True)
+    return lambda loss: loss * float("nan")

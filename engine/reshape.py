@@ -1,0 +1,99 @@
+"""Resuming a checkpoint on another layout: decided before any process group starts.
+
+Every checkpoint records the layout that saved it (`layout.json`: backend, data-, pipeline- and
+tensor-parallel sizes, ZeRO stage, vocabulary). A resume on the same layout loads it as saved.
+One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes through
+DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut into
+the new partitions, Adam moments and schedule included, so training continues as if it had never
+stopped. The cases DeepSpeed cannot convert or load are refused here with the path that works:
+resume on the saving layout, let it export, and start the new layout from the export with
+`model.init_from` (weights only; the optimizer starts afresh).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LAYOUT_FILE = "layout.json"
+
+
+class ReshapeError(ValueError):
+    """A checkpoint that cannot be resumed on this run's layout (with what to do instead)."""
+
+
+def layout_record(
+    backend: str, data: int, pipeline: int, tensor: int, zero_stage: int, vocab_size: int | None
+) -> dict[str, Any]:
+    """What a checkpoint must know about the run that saved it to be resumed elsewhere."""
+    return {
+        "backend": backend,
+        "data": data,
+        "pipeline": pipeline,
+        "tensor": tensor,
+        "zero_stage": zero_stage,
+        "vocab_size": vocab_size,
+    }
+
+
+def write_layout(tag_dir: Path, record: dict[str, Any]) -> None:
+    (tag_dir / LAYOUT_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_layout(tag_dir: Path) -> dict[str, Any] | None:
+    """The saving run's layout; None for a checkpoint written before layouts were recorded."""
+    path = tag_dir / LAYOUT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def describe(record: dict[str, Any]) -> str:
+    return (
+        f"{record['backend']} backend, ZeRO-{record['zero_stage']}, data x pipeline x tensor = "
+        f"{record['data']} x {record['pipeline']} x {record['tensor']}"
+    )
+
+
+def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_dir: Path) -> bool:
+    """Whether resuming `tag_dir` (saved as `saved`) on `current` goes through a universal
+    checkpoint; raises ReshapeError, naming both layouts and the way out, when it cannot."""
+    if saved is None:
+        return False
+    way_out = (
+        f"Resume it on its own layout ({describe(saved)}) with trainer.export on, then start this layout "
+        f"from the export with model.init_from=<that run's output_dir>/export (weights only: the optimizer "
+        f"starts afresh)."
+    )
+    if saved["vocab_size"] != current["vocab_size"]:
+        raise ReshapeError(
+            f"model.vocab_size: checkpoint {tag_dir} has {saved['vocab_size']} vocabulary rows, this run "
+            f"{current['vocab_size']}; set model.vocab_size to {saved['vocab_size']}"
+        )
+    if saved["backend"] != current["backend"]:
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} was saved by the {saved['backend']} backend and this run "
+            f"uses {current['backend']}; their checkpoint formats differ. {way_out}"
+        )
+    same_partitions = all(saved[key] == current[key] for key in ("pipeline", "tensor", "zero_stage"))
+    # ZeRO-0 keeps whole optimizer states, which load at any data-parallel size.
+    if same_partitions and (saved["data"] == current["data"] or saved["zero_stage"] == 0):
+        return False
+    if current["backend"] != "deepspeed":
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
+            f"the accelerate backend resumes only the layout that saved it. {way_out}"
+        )
+    if 0 in (saved["zero_stage"], current["zero_stage"]):
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
+            "DeepSpeed's universal checkpoint converts and loads ZeRO-partitioned optimizer states only, and "
+            "ZeRO-0 keeps none. Use zero_optimization.stage 1 (the same arithmetic and memory as 0 on one "
+            f"rank) on both sides, or: {way_out}"
+        )
+    if saved["zero_stage"] == 3 and current["zero_stage"] != 3:
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
+            "DeepSpeed converts a ZeRO-3 checkpoint into a universal layout that only ZeRO-3 loads. Resume "
+            f"with zero_optimization.stage 3 (any data-parallel size), or: {way_out}"
+        )
+    return True

@@ -1,0 +1,169 @@
+"""Checkpoints resumed on another layout (data-parallel size, ZeRO stage 1, 2 or 3, tensor and
+pipeline split) continue the run they came from: the losses and learning rates of the next steps match the
+uninterrupted run. Layouts DeepSpeed cannot convert are refused before anything loads, and an
+export moves weights between any two layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.reshape import ReshapeError, layout_record, needs_conversion
+from tests.support.launch import Run, launch, read_run, run_single
+
+GPT = "configs/tiny_gpt.json"
+# A warm-up schedule, so a resume that lost the scheduler state would show in the learning rate.
+SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 4}}
+STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": SCHEDULE}
+LOSS_TOLERANCE = 1e-5
+
+
+def resumed_from(source: Run, overrides: dict, output_dir: Path, nproc: int) -> Run:
+    checkpoint = source.output_dir / "checkpoints" / "step00000003"
+    overrides = {**STEPS, **overrides, "trainer.resume": str(checkpoint)}
+    if nproc > 1:
+        return launch(GPT, overrides, output_dir, nproc=nproc)
+    result = run_single(GPT, overrides, output_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return read_run(output_dir, result.stdout)
+
+
+def resolved(run: Run) -> dict:
+    return json.loads((run.output_dir / "resolved_config.json").read_text())
+
+
+def assert_continues(resumed: Run, source: Run) -> None:
+    assert [record["step"] for record in resumed.records] == [4, 5, 6]
+    for mine, theirs in zip(resumed.records, source.records[3:], strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= LOSS_TOLERANCE, (resumed.losses, source.losses)
+        assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-6)
+    assert "resumed through a universal checkpoint" in resumed.stdout
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch(GPT, {**STEPS, "zero_optimization.stage": 2}, tmp_path_factory.mktemp("zero2"))
+
+
+# Two pipeline stages of two tensor shards each; ZeRO-1, the stage pipelines allow.
+PP2_TP2 = {"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2, "parallel.tensor_parallel_size": 2}
+
+
+@pytest.fixture(scope="module")
+def pipeline_tensor(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch(GPT, {**STEPS, **PP2_TP2}, tmp_path_factory.mktemp("pp2_tp2"), nproc=4)
+
+
+@pytest.mark.launch
+def test_zero2_on_two_ranks_resumes_on_one(zero2: Run, tmp_path: Path):
+    # One rank holds the same global batch of 4 with two accumulation steps.
+    overrides = {"zero_optimization.stage": 2, "gradient_accumulation_steps": 2}
+    assert_continues(resumed_from(zero2, overrides, tmp_path / "one", nproc=1), zero2)
+
+
+@pytest.mark.launch
+def test_zero2_resumes_as_zero1(zero2: Run, tmp_path: Path):
+    assert_continues(resumed_from(zero2, {"zero_optimization.stage": 1}, tmp_path / "zero1", nproc=2), zero2)
+
+
+@pytest.mark.launch
+def test_pipeline_and_tensor_shards_resume_exactly_on_their_own_layout(pipeline_tensor: Run, tmp_path: Path):
+    resumed = resumed_from(pipeline_tensor, PP2_TP2, tmp_path / "same", nproc=4)
+    assert [record["step"] for record in resumed.records] == [4, 5, 6]
+    assert resumed.losses == pipeline_tensor.losses[3:]
+    assert "universal" not in resumed.stdout
+    final, expected = resumed.exported_state_dict(), pipeline_tensor.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+
+
+@pytest.mark.launch
+def test_pipeline_and_tensor_shards_resume_as_one_process(pipeline_tensor: Run, tmp_path: Path):
+    """PP=2 x TP=2 -> PP=1 x TP=1: the stages' layers are renamed to the whole model's and the
+    tensor shards joined; "auto" keeps the vocabulary the checkpoint padded for two shards."""
+    resumed = resumed_from(pipeline_tensor, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1)
+    assert_continues(resumed, pipeline_tensor)
+    final, expected = resumed.exported_state_dict(), pipeline_tensor.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.launch
+def test_zero2_on_two_ranks_resumes_as_zero3_on_one(zero2: Run, tmp_path: Path):
+    """DeepSpeed's ZeRO-3 loader reads engine and optimizer state under ZeRO-3's own file names
+    and layout; the loading view supplies them."""
+    overrides = {"zero_optimization.stage": 3, "gradient_accumulation_steps": 2}
+    assert_continues(resumed_from(zero2, overrides, tmp_path / "zero3", nproc=1), zero2)
+
+
+@pytest.mark.launch
+def test_an_impossible_reshape_is_refused_before_loading(zero2: Run, tmp_path: Path):
+    checkpoint = zero2.output_dir / "checkpoints" / "step00000003"
+    overrides = {**STEPS, "zero_optimization.stage": 0, "trainer.resume": str(checkpoint)}
+    result = run_single(GPT, overrides, tmp_path / "zero0")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "ZeRO-0 keeps none" in result.stderr and "model.init_from" in result.stderr
+    assert not (tmp_path / "zero0" / "logs").exists()  # refused before any process group started
+
+
+@pytest.mark.launch
+def test_an_export_moves_weights_to_another_layout(pipeline_tensor: Run, tmp_path: Path):
+    """The PP=2 x TP=2 run's export starts a single process. One step at a learning rate of 1e-30
+    moves no weight by as much as its last bit, so the new export equals the one imported."""
+    overrides = {
+        "model.init_from": str(pipeline_tensor.output_dir / "export"),
+        "model.vocab_size": resolved(pipeline_tensor)["model"]["vocab_size"],
+        "optimizer.params.lr": 1e-30,
+        "trainer.max_steps": 1,
+    }
+    result = run_single(GPT, overrides, tmp_path / "imported")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    imported = read_run(tmp_path / "imported").exported_state_dict()
+    expected = pipeline_tensor.exported_state_dict()
+    assert imported.keys() == expected.keys()
+    for name in imported:
+        torch.testing.assert_close(imported[name], expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+def layout(**changes) -> dict:
+    record = layout_record("deepspeed", data=2, pipeline=1, tensor=1, zero_stage=2, vocab_size=64)
+    return {**record, **changes}
+
+
+@pytest.mark.parametrize(
+    "saved,current,converts",
+    [
+        (layout(), layout(), False),
+        (layout(zero_stage=0), layout(zero_stage=0, data=4), False),
+        (layout(), layout(data=1), True),
+        (layout(), layout(zero_stage=1), True),
+        (layout(), layout(zero_stage=3, data=1), True),
+        (layout(zero_stage=3), layout(zero_stage=3, data=1), True),
+        (layout(tensor=2, data=1, zero_stage=1), layout(data=2, zero_stage=1), True),
+    ],
+)
+def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
+    assert needs_conversion(saved, current, tmp_path) is converts
+
+
+@pytest.mark.parametrize(
+    "saved,current,message",
+    [
+        (layout(zero_stage=3), layout(zero_stage=2), "only ZeRO-3 loads"),
+        (layout(zero_stage=0), layout(zero_stage=0, tensor=2), "ZeRO-0 keeps none"),
+        (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
+        (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),
+        (layout(backend="accelerate"), layout(backend="accelerate", data=1), "resumes only the layout"),
+        (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
+    ],
+)
+def test_impossible_reshapes_name_the_way_out(saved: dict, current: dict, message: str, tmp_path: Path):
+    with pytest.raises(ReshapeError, match=message) as refusal:
+        needs_conversion(saved, current, tmp_path)
+    if "vocab" not in message:
+        assert "model.init_from" in str(refusal.value)
