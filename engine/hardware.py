@@ -17,10 +17,7 @@ class Hardware:
     cpu_count: int
     local_world_size: int
     omp_num_threads: int | None = None
-
-    @property
-    def name(self) -> str:
-        return torch.cuda.get_device_name() if self.device_type == "cuda" else "CPU"
+    name: str = "CPU"  # torch.cuda.get_device_name() on a GPU: what the peak-FLOPs table matches
 
 
 def _cpu_fp16_supported() -> bool:
@@ -40,6 +37,14 @@ def detect_hardware(local_world_size: int | None = None) -> Hardware:
     omp_num_threads = int(omp) if omp and omp.isdigit() and int(omp) > 0 else None
     cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available():
-        return Hardware("cuda", torch.cuda.is_bf16_supported(), True, cpu_count, local_world_size, omp_num_threads)
+        return Hardware(
+            "cuda",
+            torch.cuda.is_bf16_supported(),
+            True,
+            cpu_count,
+            local_world_size,
+            omp_num_threads,
+            torch.cuda.get_device_name(),
+        )
     # bf16 runs on any CPU but is emulated and slow on most; it is allowed, never chosen by "auto".
     return Hardware("cpu", True, _cpu_fp16_supported(), cpu_count, local_world_size, omp_num_threads)

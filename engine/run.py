@@ -31,6 +31,7 @@ from engine.distributed import (
 from engine.export import export_model, sample_text
 from engine.failures.faults import Fault, fault_from_env, inject, loss_hook
 from engine.failures.watchdog import Watchdog, beat_interval
+from engine.flops import gpt_flops_per_token, resnet_flops_per_image
 from engine.hardware import Hardware, detect_hardware
 from engine.launch.detect import launch_problems
 from engine.metrics import MetricsLogger
@@ -146,7 +147,17 @@ def loop_settings(config: EngineConfig) -> LoopSettings:
         nonfinite=NonfinitePolicy(
             trainer["nonfinite"], trainer["max_skipped_steps"], checkpoint_root(Path(trainer["output_dir"]))
         ),
+        flops_per_item=model_flops_per_item(config),
+        peak_flops=None if trainer["peak_tflops"] is None else trainer["peak_tflops"] * 1e12,
     )
+
+
+def model_flops_per_item(config: EngineConfig) -> int:
+    """Training FLOPs per token (GPT, at the trained sequence length) or per image (ResNet)."""
+    arch = get_family(config.model["family"]).architecture(config.model)
+    if config.model["family"] == "gpt":
+        return gpt_flops_per_token(arch["n_layer"], arch["n_embd"], arch["vocab_size"], config.data["seq_len"])
+    return resnet_flops_per_image(arch, config.data["image_size"])
 
 
 def export_and_sample(

@@ -15,6 +15,7 @@ import torch
 
 from engine.backends import Backend
 from engine.distributed import all_reduce_sum
+from engine.flops import achieved_flops_per_device, mfu
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
 from models import ModelFamily
@@ -30,6 +31,8 @@ class LoopSettings:
     throughput_key: str  # "tokens_per_s" or "images_per_s"
     world_size: int
     nonfinite: NonfinitePolicy
+    flops_per_item: int  # model FLOPs to train on one token or image (engine/flops.py)
+    peak_flops: float | None  # one device's dense peak, None where no MFU is claimed
 
 
 def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict:
@@ -73,14 +76,21 @@ def train(
         if last or eval_due or step % settings.log_interval == 0:
             mean_loss = all_reduce_sum({"loss": loss})["loss"]
             elapsed = time.perf_counter() - window_start
+            items_per_s = settings.items_per_step * window_steps / elapsed
             record = {
                 "step": step,
                 "loss": mean_loss / settings.world_size,
                 "lr": lr,
-                settings.throughput_key: settings.items_per_step * window_steps / elapsed,
+                settings.throughput_key: items_per_s,
+                "tflops_per_device": achieved_flops_per_device(
+                    settings.flops_per_item, items_per_s, settings.world_size
+                )
+                / 1e12,
                 "step_time_s": elapsed / window_steps,
                 "skipped_steps": guard.skipped,
             }
+            if settings.peak_flops is not None:
+                record["mfu"] = mfu(settings.flops_per_item, items_per_s, settings.peak_flops, settings.world_size)
             loss_scale = backend.loss_scale()
             if loss_scale is not None:
                 record["loss_scale"] = loss_scale

@@ -24,7 +24,9 @@ from engine.hardware import Hardware
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.json"))
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=2)
-GPU = Hardware("cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=8)
+GPU = Hardware(
+    "cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=8, name="NVIDIA H100 80GB HBM3"
+)
 
 BASE = {
     "train_micro_batch_size_per_gpu": 2,
@@ -348,9 +350,11 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["zero_optimization"]["stage3_param_persistence_threshold"] == 320
     assert on_cpu["data"]["seq_len"] == 64
     assert on_cpu["trainer"]["threads_per_rank"] == 1
+    assert on_cpu["trainer"]["peak_tflops"] is None  # no MFU claimed on a CPU
     on_gpu = resolve(check_document(document, 8, GPU), 8, GPU).document
     assert on_gpu["bf16"]["enabled"] is True
     assert on_gpu["optimizer"]["params"]["torch_adam"] is False
+    assert on_gpu["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
 
 
 def test_deepspeed_config_holds_only_deepspeed_keys():

@@ -14,6 +14,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from transformers import GPT2LMHeadModel
 
 from data import load_saved_tokenizer
+from engine.flops import gpt_flops_per_token
 from models import get_family
 from tests.support.launch import ROOT, free_port, launch, read_run, run_single
 from tests.support.reference import reference_run
@@ -75,7 +76,14 @@ def test_run_writes_metrics_and_resolved_config(uninterrupted: Path):
     assert records[0]["lr"] < records[2]["lr"]  # warm-up
     resolved = (uninterrupted / "resolved_config.json").read_text()
     assert '"auto"' not in resolved
-    assert json.loads(resolved)["zero_optimization"]["stage"] == 3
+    config = json.loads(resolved)
+    assert config["zero_optimization"]["stage"] == 3
+    # Achieved model FLOP/s per device, 6N + attention per token; no MFU claimed without a known peak.
+    model = config["model"]
+    per_token = gpt_flops_per_token(model["n_layer"], model["n_embd"], model["vocab_size"], config["data"]["seq_len"])
+    for record in records:
+        assert record["tflops_per_device"] == pytest.approx(per_token * record["tokens_per_s"] / 2 / 1e12)
+        assert "mfu" not in record
 
 
 def test_single_process_without_launcher_trains(tmp_path: Path):

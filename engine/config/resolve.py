@@ -15,6 +15,7 @@ from typing import Any
 from engine.config.batch import solve_batch_triple
 from engine.config.rules import data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
+from engine.flops import device_peak_flops
 from engine.hardware import Hardware
 from engine.launch.detect import effective_backend
 from models import get_family
@@ -102,6 +103,10 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         trainer["threads_per_rank"] = hardware.omp_num_threads or max(
             1, hardware.cpu_count // max(1, hardware.local_world_size)
         )
+    if trainer["peak_tflops"] == AUTO:
+        config = EngineConfig(doc, world_size, source)
+        peak = device_peak_flops(hardware.name, config.precision)
+        trainer["peak_tflops"] = None if peak is None else peak / 1e12
     return EngineConfig(doc, world_size, source)
 
 

@@ -469,6 +469,14 @@ _TRAINER = _object(
             "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0
         ),
         "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
+        "peak_tflops": _number(
+            "Dense peak TFLOP/s of one device at the run's precision, the denominator of the MFU in the "
+            'metrics; "auto": from the engine\'s table of common GPUs (engine/flops.py), none on a CPU or '
+            "an unknown device, where no MFU is reported.",
+            "auto",
+            auto=True,
+            exclusiveMinimum=0,
+        ),
         "comm_timeout_s": _number(
             "Seconds a rank may stay silent (dead, frozen, its node lost) or a collective may wait before "
             "every rank ends with an error naming the rank that failed; the job never hangs longer.",
