@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import AccelerateBackend, Backend, DeepSpeedEngineBackend, PipelineBackend, build_backend
+from engine.backends import Backend, DeepSpeedEngineBackend, PipelineBackend, build_backend
 from engine.checkpoint import checkpoint_root, load_rng_state, resume_target, save_checkpoint, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -302,8 +302,9 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
         start_step=start_step,
         progress_bar=trainer["progress_bar"],
     )
-    if isinstance(backend, AccelerateBackend):
-        logger.write(backend.describe())
+    description = backend.describe()
+    if description is not None:
+        logger.write(description)
     layout = parallel_layout(config)
     if layout.model_parallel:
         logger.write(layout.describe(backend.stage_layers() if isinstance(backend, PipelineBackend) else None))

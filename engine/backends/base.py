@@ -40,6 +40,11 @@ class Backend(ABC):
     @abstractmethod
     def learning_rate(self) -> float: ...
 
+    def describe(self) -> str | None:
+        """A start-up line on what the backend built, where the config alone does not say it.
+        Collective: every rank calls it."""
+        return None
+
     @abstractmethod
     def skipped_steps(self) -> int:
         """Updates the optimizer has dropped so far because a gradient was NaN or inf (an fp16

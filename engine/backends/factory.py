@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from engine.backends.accelerate_backend import AccelerateBackend
 from engine.backends.base import Backend
 from engine.backends.deepspeed_backend import DeepSpeedBackend
 from engine.backends.pipeline_backend import PipelineBackend
@@ -40,6 +39,10 @@ def build_backend(
     if load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
     if config.trainer["backend"] == "accelerate":
+        # Imported only here: accelerate with torch's FSDP and distributed checkpointing would add
+        # about 2 s to the start-up of every DeepSpeed rank.
+        from engine.backends.accelerate_backend import AccelerateBackend
+
         return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
     if not layout.model_parallel:
         backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype)
