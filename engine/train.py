@@ -18,6 +18,7 @@ from engine.distributed import all_reduce_sum
 from engine.flops import achieved_flops_per_device, mfu
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
+from engine.step_phases import PhaseTimer
 from models import ModelFamily
 
 
@@ -61,6 +62,11 @@ def train(
     while step < settings.max_steps:
         lr = backend.learning_rate()
         before_step(step + 1)
+        eval_due = step + 1 == settings.max_steps or (
+            settings.eval_interval and (step + 1) % settings.eval_interval == 0
+        )
+        logged = eval_due or (step + 1) % settings.log_interval == 0
+        backend.phase_timer = PhaseTimer(backend.device) if logged else None
         skipped_before = backend.skipped_steps()
         loss = backend.train_step(batches)
         step += 1
@@ -71,34 +77,45 @@ def train(
             logger.write(note)
         after_step(step)
 
-        last = step == settings.max_steps
-        eval_due = last or (settings.eval_interval and step % settings.eval_interval == 0)
-        if last or eval_due or step % settings.log_interval == 0:
-            mean_loss = all_reduce_sum({"loss": loss})["loss"]
+        if logged:
             elapsed = time.perf_counter() - window_start
-            items_per_s = settings.items_per_step * window_steps / elapsed
             record = {
                 "step": step,
-                "loss": mean_loss / settings.world_size,
+                "loss": all_reduce_sum({"loss": loss})["loss"] / settings.world_size,
                 "lr": lr,
-                settings.throughput_key: items_per_s,
-                "tflops_per_device": achieved_flops_per_device(
-                    settings.flops_per_item, items_per_s, settings.world_size
-                )
-                / 1e12,
-                "step_time_s": elapsed / window_steps,
+                **step_metrics(backend, settings, elapsed, window_steps),
                 "skipped_steps": guard.skipped,
             }
-            if settings.peak_flops is not None:
-                record["mfu"] = mfu(settings.flops_per_item, items_per_s, settings.peak_flops, settings.world_size)
-            loss_scale = backend.loss_scale()
-            if loss_scale is not None:
-                record["loss_scale"] = loss_scale
             if eval_due:
                 record.update(evaluate(backend, family, eval_batches()))
             logger.log(record)
             window_start, window_steps = time.perf_counter(), 0
-        if last or (settings.save_interval and step % settings.save_interval == 0):
+        if step == settings.max_steps or (settings.save_interval and step % settings.save_interval == 0):
             save(step)
             saved = step
     return saved
+
+
+def step_metrics(backend: Backend, settings: LoopSettings, elapsed: float, steps: int) -> dict:
+    """Speed over the steps since the last log, and the last step's norm, phases and loss scale.
+
+    The window's wall time includes the synchronised phases of its last step (see
+    engine/step_phases.py), so throughput stays the honest average over the window."""
+    items_per_s = settings.items_per_step * steps / elapsed
+    metrics = {
+        settings.throughput_key: items_per_s,
+        "tflops_per_device": achieved_flops_per_device(settings.flops_per_item, items_per_s, settings.world_size)
+        / 1e12,
+        "step_time_s": elapsed / steps,
+    }
+    if settings.peak_flops is not None:
+        metrics["mfu"] = mfu(settings.flops_per_item, items_per_s, settings.peak_flops, settings.world_size)
+    grad_norm = backend.grad_norm()
+    if grad_norm is not None:
+        metrics["grad_norm"] = grad_norm
+    for phase, seconds in (backend.step_breakdown() or {}).items():
+        metrics[f"time_{phase}_s"] = seconds
+    loss_scale = backend.loss_scale()
+    if loss_scale is not None:
+        metrics["loss_scale"] = loss_scale
+    return metrics

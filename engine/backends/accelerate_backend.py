@@ -73,6 +73,7 @@ class AccelerateBackend(Backend):
         self.optimizer = build_optimizer(document["optimizer"], [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
         self._skipped = 0
+        self._norm: torch.Tensor | None = None
         self._check_wrapper()
 
     def _check_wrapper(self) -> None:
@@ -116,23 +117,30 @@ class AccelerateBackend(Backend):
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(self._accumulation):
-            batch = to_device(next(batches), self.device, torch.float32)
+            with self.phase("data"):
+                batch = to_device(next(batches), self.device, torch.float32)
             with self._gradient_sync(micro_step == self._accumulation - 1):
-                with self._autocast():
+                with self.phase("forward"), self._autocast():
                     loss = self.hooked(self.family.compute_loss(self.model, batch))
-                (loss / self._accumulation).backward()
+                with self.phase("backward"):
+                    (loss / self._accumulation).backward()
             loss_sum += loss.detach().float()
-        # The same test DeepSpeed's optimizers make, at the same cost (a host sync per step): a NaN/inf
-        # gradient never reaches the weights, the optimizer's moments or the LR schedule, whatever
-        # trainer.nonfinite says; the loop reads skipped_steps and applies the policy.
-        if torch.isfinite(self._gradient_norm()):
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
-            self._skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.phase("step"):
+            # The same test DeepSpeed's optimizers make, at the same cost (a host sync per step): a NaN/inf
+            # gradient never reaches the weights, the optimizer's moments or the LR schedule, whatever
+            # trainer.nonfinite says; the loop reads skipped_steps and applies the policy.
+            self._norm = self._gradient_norm()
+            if torch.isfinite(self._norm):
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            else:
+                self._skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / self._accumulation
+
+    def grad_norm(self) -> float | None:
+        return None if self._norm is None else float(self._norm)
 
     def _gradient_norm(self) -> torch.Tensor:
         """The gradients' global norm, clipping them to gradient_clipping on the way when that is set.

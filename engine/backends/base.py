@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.step_phases import PhaseTimer
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -24,6 +27,8 @@ class Backend(ABC):
     # Applied to every micro-batch loss before backward while set: the `nan` fault's entry point
     # (engine/failures/faults.py), a hook so that no backend knows about faults.
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Set by the loop for the steps it logs: train_step then times its phases (engine/step_phases.py).
+    phase_timer: PhaseTimer | None = None
 
     @abstractmethod
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
@@ -54,6 +59,18 @@ class Backend(ABC):
     @abstractmethod
     def loss_scale(self) -> float | None:
         """fp16's current loss scale; None where no loss scaler runs."""
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (before clipping); None where the library does
+        not compute one. Read at log points only: it may cost a host sync."""
+        return None
+
+    def step_breakdown(self) -> dict[str, float] | None:
+        """Seconds of the last timed step by phase (data, forward, backward, step, ...)."""
+        return None if self.phase_timer is None else dict(self.phase_timer.seconds)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return nullcontext() if self.phase_timer is None else self.phase_timer.phase(name)
 
     def hooked(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_hook is None else self.loss_hook(loss)

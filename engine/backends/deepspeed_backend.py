@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+from deepspeed.runtime.utils import get_flattened_grad_norm
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
@@ -68,6 +69,11 @@ class DeepSpeedEngineBackend(Backend):
         dist.barrier()
         return self.load(view.parent, view.name)
 
+    def grad_norm(self) -> float | None:
+        # Recorded by the ZeRO, bf16 and fp16 optimizers at each step, before clipping.
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
     def skipped_steps(self) -> int:
         # Counted in `_take_model_step` whenever the optimizer reports `overflow`: ZeRO 1-3 and the
         # bf16/fp16 wrappers test the gradients' norm; fp32 ZeRO-0's bare torch optimizer never skips.
@@ -100,17 +106,30 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
+        # fp32 ZeRO-0 steps a bare torch optimizer, which reports no norm to the engine.
+        self._untracked_norm = self._zero_stage == 0 and not self._mixed_precision
+        self._norm: float | None = None
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         self.engine.train()
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self._accumulation):
-            loss = self.family.compute_loss(self.engine, to_device(next(batches), self.device, self.input_dtype))
-            loss = self.hooked(loss)
-            self.engine.backward(loss)
-            self.engine.step()
+        for micro_step in range(self._accumulation):
+            with self.phase("data"):
+                batch = to_device(next(batches), self.device, self.input_dtype)
+            with self.phase("forward"):
+                loss = self.hooked(self.family.compute_loss(self.engine, batch))
+            with self.phase("backward"):
+                self.engine.backward(loss)
+            if micro_step == self._accumulation - 1 and self._untracked_norm and self.phase_timer is not None:
+                # Logged steps only: the norm is read before step() clips and zeroes the gradients.
+                self._norm = get_flattened_grad_norm(self.engine.module.parameters(), mpu=self.grid)
+            with self.phase("step"):
+                self.engine.step()
             loss_sum += loss.detach().float()
         return loss_sum / self._accumulation
+
+    def grad_norm(self) -> float | None:
+        return self._norm if self._untracked_norm else super().grad_norm()
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
         self.engine.eval()
