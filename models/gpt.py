@@ -1,4 +1,9 @@
-"""GPT-2 family: transformers' `GPT2LMHeadModel` as shipped, and what the engine needs around it."""
+"""GPT-2 family: transformers' `GPT2LMHeadModel` as shipped, and what the engine needs around it.
+
+transformers and DeepSpeed are imported inside the functions that build or run a model: config
+validation (`python -m engine validate`, which launch.sh runs before every launch, and the planner)
+reads only the presets and plans here and would otherwise spend most of its time importing them.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,16 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from deepspeed.pipe import TiedLayerSpec
 from torch import nn
-from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
-from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.masking_utils import create_causal_mask
 
 from models.common import AUTO, check_state_dict, merge_preset, setting
 from models.tensor_parallel import TensorParallelPlan, tied_logits
+
+if TYPE_CHECKING:
+    from transformers import GPT2Config, GPT2LMHeadModel
 
 GPT2_VOCAB_SIZE = 50257
 _GPT2_CONTEXT = {"n_positions": 1024, "vocab_size": GPT2_VOCAB_SIZE}
@@ -50,6 +54,8 @@ def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
+    from transformers import GPT2Config
+
     vocab_size = arch["vocab_size"]
     if not isinstance(vocab_size, int):
         raise ValueError(
@@ -78,6 +84,8 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
 
 def build(section: Mapping[str, Any]) -> GPT2LMHeadModel:
     """A training-mode model; the caller seeds the RNG, so every rank initialises the same weights."""
+    from transformers import GPT2LMHeadModel
+
     config = gpt2_config(architecture(section))
     init_from = section.get("init_from")
     model = GPT2LMHeadModel(config) if init_from is None else load_pretrained(Path(init_from), config)
@@ -92,6 +100,8 @@ def load_pretrained(path: Path, config: GPT2Config) -> GPT2LMHeadModel:
     A checkpoint of another shape is refused up front: transformers would load it anyway, leave
     the missing blocks freshly initialised and only log that it did.
     """
+    from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
+
     saved = AutoConfig.from_pretrained(path, local_files_only=True)
     if not isinstance(saved, GPT2Config):
         raise ValueError(f"model.init_from {path} holds a {saved.model_type!r} checkpoint, not a GPT-2 one")
@@ -143,6 +153,8 @@ def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
 
 def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
     """An HF checkpoint directory that plain `GPT2LMHeadModel.from_pretrained` loads."""
+    from transformers import GPT2LMHeadModel
+
     config = gpt2_config(architecture(section))
     # Only the config and the parameter names of this model are used; the weights are `state_dict`.
     with torch.device("meta"):
@@ -154,6 +166,8 @@ def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], o
 
 def load_export(path: Path) -> GPT2LMHeadModel:
     """The exported model, in eval mode as `from_pretrained` returns it."""
+    from transformers import GPT2LMHeadModel
+
     return GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
 
 
@@ -235,6 +249,8 @@ class GPT2BlockPipe(nn.Module):
         self.block, self.config = block, config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
@@ -246,6 +262,8 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
     """GPT-2 as a sequence of pipeline layers made of the model's own modules: token embedding
     (tied to the head, so DeepSpeed keeps the two copies equal across stages), positions, the
     blocks, the final norm and the head."""
+    from deepspeed.pipe import TiedLayerSpec
+
     transformer = model.transformer
     return [
         TiedLayerSpec(_TIED_EMBEDDING, _TokenEmbedding, transformer.wte, tied_weight_attr="wte.weight"),
@@ -265,6 +283,8 @@ def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, tor
 
 def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' own causal-LM loss (fp32 logits, shifted labels), as the unsplit model computes it."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 

@@ -1,13 +1,14 @@
 """ResNet family: torchvision's ResNet where it imports, transformers' otherwise; one architecture either way.
 
 Both are used as their authors ship them. The two name their parameters differently, so an export
-records which one wrote it.
+records which one wrote it. transformers is imported only to build its model (see models/gpt.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 import types
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -20,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
-from transformers import ResNetConfig, ResNetForImageClassification
 
 from models.common import AUTO, check_state_dict, merge_preset, setting
 
@@ -102,6 +102,8 @@ def _torchvision_resnet(arch: Mapping[str, Any]) -> nn.Module:
 def _transformers_resnet(arch: Mapping[str, Any]) -> nn.Module:
     """transformers' defaults already match torchvision's ResNet v1.5: stride in the 3x3
     convolution, no downsampling in the first stage."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
     expansion = _EXPANSION[arch["block"]]
     config = ResNetConfig(
         layer_type=arch["block"],
@@ -112,15 +114,21 @@ def _transformers_resnet(arch: Mapping[str, Any]) -> nn.Module:
     return ResNetForImageClassification(config)
 
 
+def _from_transformers(model: nn.Module) -> bool:
+    # Only a process that built transformers' ResNet has imported transformers for it.
+    module = sys.modules.get("transformers")
+    return module is not None and isinstance(model, module.ResNetForImageClassification)
+
+
 def residual_blocks(model: nn.Module) -> list[nn.Module]:
-    if isinstance(model, ResNetForImageClassification):
+    if _from_transformers(model):
         return [block for stage in model.resnet.encoder.stages for block in stage.layers]
     return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP shards as one unit each: the four residual stages."""
-    if isinstance(model, ResNetForImageClassification):
+    if _from_transformers(model):
         return list(model.resnet.encoder.stages)
     return [model.layer1, model.layer2, model.layer3, model.layer4]
 
@@ -256,7 +264,7 @@ class _Head(nn.Module):
 
 def pipeline_layers(model: nn.Module) -> list:
     """Stem, every residual block, then pooling and classifier: the model's own modules in order."""
-    if isinstance(model, ResNetForImageClassification):
+    if _from_transformers(model):
         stem = model.resnet.embedder
         head = _Head(model.resnet.pooler, model.classifier)
     else:
