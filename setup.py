@@ -25,7 +25,9 @@ setup(
         "tqdm>=4.60",
         "numpy>=1.24",
         "pillow>=9.0",
+        "matplotlib>=3.7",
+        "tensorboard>=2.14",
     ],
-    extras_require={"dev": ["pytest>=8.0", "ruff>=0.6", "pre-commit>=3.0"]},
+    extras_require={"dev": ["pytest>=8.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16"]},
     entry_points={"console_scripts": ["dsengine=engine.cli:main"]},
 )

@@ -107,6 +107,59 @@ def _accelerate_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`plan` and `explain`: the per-rank table (or the rank-by-rank story) of a config, without
+    starting anything; exit 1 when it does not fit the memory given, 2 on bad input."""
+    from engine.plan import explain, parse_bytes, plan_run, suggest, table, verdict
+    from engine.plan.report import describe_candidate
+
+    try:
+        device_memory = parse_bytes(args.device_memory) if getattr(args, "device_memory", None) else None
+        host_memory = parse_bytes(args.host_memory) if getattr(args, "host_memory", None) else None
+    except ValueError as error:
+        print(f"plan: {error}", file=sys.stderr)
+        return 2
+    hardware = detect_hardware(local_world_size=args.world_size)
+
+    def load(extra: list[str]):
+        return load_config(
+            args.config, [*args.overrides, *extra], world_size=args.world_size, hardware=hardware, check_hardware=False
+        )
+
+    try:
+        config = load([])
+        plan = plan_run(config)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.command == "explain":
+        print(explain(plan))
+        return 0
+    print(table(plan))
+    fits, text = verdict(plan, device_memory, host_memory)
+    if text:
+        print(text)
+    if args.suggest:
+        candidates = suggest(config, load, device_memory, host_memory)
+        print(f"{len(candidates)} layout(s) fit, cheapest communication first:")
+        for candidate in candidates:
+            print("  " + describe_candidate(candidate))
+    return 0 if fits else 1
+
+
+def _plot(run_dir: Path) -> int:
+    from engine.plots import write_plots
+
+    try:
+        paths = write_plots(run_dir)
+    except FileNotFoundError as error:
+        print(f"plot: {error}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     launch_env.add_argument("output", type=Path)
 
+    plan = commands.add_parser(
+        "plan", help="per-rank memory (exact model states, estimated activations) and communication, before a run"
+    )
+    plan.add_argument("config")
+    plan.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: print whether the busiest rank fits")
+    plan.add_argument("--host-memory", help="host memory for offloaded states of all ranks, e.g. 512GiB")
+    plan.add_argument("--suggest", action="store_true", help="list the layouts that fit, cheapest communication first")
+    _add_overrides(plan)
+
+    explain = commands.add_parser("explain", help="what each rank holds, told rank by rank")
+    explain.add_argument("config")
+    explain.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    _add_overrides(explain)
+
+    plot = commands.add_parser("plot", help="draw a run's curves from its metrics.jsonl as PNGs in RUN_DIR/plots")
+    plot.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+
     commands.add_parser("schema", help="print the config's JSON Schema")
     docs = commands.add_parser("docs", help="write the config reference generated from the schema")
     docs.add_argument("--output", type=Path, default=Path("docs/config_reference.md"))
@@ -162,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"every rank gets: {', '.join(sorted(variables)) or '(nothing beyond DeepSpeed defaults)'}")
         return 0
+    if args.command in ("plan", "explain"):
+        return _plan(args)
+    if args.command == "plot":
+        return _plot(args.run_dir)
     if args.command == "schema":
         print(json.dumps(SCHEMA, indent=2))
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,16 @@ def all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, float]:
     if dist.is_initialized():
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def gather_to_main(value: Any) -> list[Any] | None:
+    """Every rank's `value` on rank 0, in rank order (None elsewhere): a pickled gather, for the few
+    small per-rank reports of a logged step."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
 
 
 def barrier() -> None:

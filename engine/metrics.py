@@ -1,19 +1,39 @@
 """What rank 0 shows and records: a progress bar and `metrics.jsonl`, one JSON object per
-logged step. Values reach here already reduced over ranks; this module never communicates."""
+logged step, also handed to any sinks (TensorBoard, CSV, W&B: engine/sinks.py). Values reach
+here already reduced over ranks; this module never communicates."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
 
+class Sink(Protocol):
+    """Somewhere else each logged record goes."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress_bar: bool):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        progress_bar: bool,
+        sinks: Sequence[Sink] = (),
+    ):
         self.enabled = enabled
+        self._sinks = list(sinks) if enabled else []
         path = output_dir / "metrics.jsonl"
         if enabled:
             rewind(path, start_step)
@@ -30,11 +50,14 @@ class MetricsLogger:
             return
         self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
         self._file.flush()
+        for sink in self._sinks:
+            sink.write(record)
+        shown = {key: value for key, value in record.items() if _on_terminal(key, value)}
         if self._bar is not None:
             self._bar.update(record["step"] - self._last_step)
-            self._bar.set_postfix({key: _short(value) for key, value in record.items() if key != "step"})
+            self._bar.set_postfix({key: _short(value) for key, value in shown.items() if key != "step"})
         else:
-            print(" ".join(f"{key}={_short(value)}" for key, value in record.items()), flush=True)
+            print(" ".join(f"{key}={_short(value)}" for key, value in shown.items()), flush=True)
         self._last_step = record["step"]
 
     def write(self, text: str) -> None:
@@ -43,10 +66,17 @@ class MetricsLogger:
             (self._bar.write if self._bar is not None else print)(text)
 
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+
+
+def _on_terminal(key: str, value: Any) -> bool:
+    """The headline of a record; the phase times and per-rank memory stay in the file and plots."""
+    return not (key == "ranks" or key.startswith("time_") or (key == "skipped_steps" and not value))
 
 
 def _short(value: Any) -> str:

@@ -38,8 +38,11 @@ from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
 from engine.parallel.layout import parallel_layout
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal, saved_names
+from engine.plots import write_plots
 from engine.rank_logs import RankOutput, capture_rank_output
 from engine.reshape import describe, layout_record, needs_conversion, read_layout
+from engine.sinks import build_sinks
+from engine.timeline import write_pipeline_timeline
 from engine.train import LoopSettings, train
 from models import ModelFamily, get_family
 
@@ -301,6 +304,7 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
         total_steps=settings.max_steps,
         start_step=start_step,
         progress_bar=trainer["progress_bar"],
+        sinks=build_sinks(config.deepspeed_config(), backend),
     )
     description = backend.describe()
     if description is not None:
@@ -339,6 +343,11 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
     last_saved = train(
         backend, family, batches, eval_batches, settings, logger, save, start_step, after_step, before_step
     )
+    if isinstance(backend, PipelineBackend):
+        write_pipeline_timeline(backend, output_dir, logger.write)
     if trainer["export"]:
         export_and_sample(config, family, backend, bundle, step_tag(last_saved), logger)
     logger.close()
+    if trainer["plots"] and is_main_process():
+        paths = write_plots(output_dir)
+        print(f"plots: {len(paths)} PNGs in {paths[0].parent if paths else output_dir}", flush=True)

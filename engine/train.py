@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends import Backend
-from engine.distributed import all_reduce_sum
+from engine.distributed import all_reduce_sum, gather_to_main
 from engine.flops import achieved_flops_per_device, mfu
+from engine.memory import rank_memory
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
 from engine.step_phases import PhaseTimer
@@ -88,6 +89,9 @@ def train(
             }
             if eval_due:
                 record.update(evaluate(backend, family, eval_batches()))
+            ranks = gather_to_main(rank_memory(backend))
+            if ranks is not None:
+                record["ranks"] = ranks
             logger.log(record)
             window_start, window_steps = time.perf_counter(), 0
         if step == settings.max_steps or (settings.save_interval and step % settings.save_interval == 0):

@@ -16,8 +16,14 @@ import pytest
 import torch
 
 from models import get_family
-from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.compare import (
+    LOSS_TOLERANCE,
+    assert_grad_norms_match,
+    assert_weights_match,
+    max_loss_difference,
+)
 from tests.support.launch import ROOT, free_port, launch_accelerate
+from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
 
 CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
@@ -74,6 +80,7 @@ def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrap
     reference = reference_run(CONFIGS[family], {**wrapper.overrides, "trainer.backend": "accelerate"}, world_size=2)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms)
     assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
     assert f"accelerate backend: {wrapper.wrapper} on 2 process(es)" in run.stdout
     per_rank, total = parameter_elements_per_rank(run.stdout)
@@ -125,9 +132,12 @@ def test_written_accelerate_config_file_launches_the_run(tmp_path: Path):
     written = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert written.returncode == 0, written.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --config_file" in written.stdout
-    run = launch_accelerate(CONFIGS["gpt"], {}, tmp_path / "run", config_file=config_file)
+    run = launch_accelerate(CONFIGS["gpt"], MONITORS, tmp_path / "run", config_file=config_file)
     assert "accelerate backend: ddp on 2 process(es)" in run.stdout
     assert len(run.losses) == 5
+    # Without a DeepSpeed engine the sink builds DeepSpeed's monitor itself, from the same keys.
+    for key in ("loss", "lr", "eval_loss"):
+        assert_monitor_holds(run.output_dir, key)
 
 
 def _accelerate(arguments: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:

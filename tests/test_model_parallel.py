@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.compare import (
+    LOSS_TOLERANCE,
+    assert_grad_norms_match,
+    assert_weights_match,
+    max_loss_difference,
+)
 from tests.support.launch import ROOT, launch
+from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
 
 GPT, RESNET = "configs/tiny_gpt.json", "configs/tiny_resnet.json"
@@ -66,10 +72,12 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
     reference = reference_run(layout.config, layout.overrides, world_size=layout.nproc)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms)
     assert run.losses[-1] < run.losses[0]
     assert_weights_match(run.exported_state_dict(), reference.model, layout.weight_tolerance)
     assert "eval_loss" in run.records[-1]
     assert_start_up_table(run.stdout, layout)
+    assert_plan_matches_measured(run, layout.config, layout.overrides, world_size=layout.nproc)
 
 
 def assert_start_up_table(log: str, layout: Layout) -> None:

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.compare import LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.compare import (
+    LOSS_TOLERANCE,
+    assert_grad_norms_match,
+    assert_weights_match,
+    max_loss_difference,
+)
 from tests.support.launch import launch
+from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
 
 # With clipping on, ZeRO-1/2 sum the global gradient norm in fp64 where torch sums it in fp32; the
@@ -66,6 +72,8 @@ def test_two_ranks_match_single_process(family: str, variant: Variant, clipping:
     reference = reference_run(CONFIGS[family], overrides, world_size=2)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms)
     assert run.losses[-1] < run.losses[0]
     tolerance = CLIPPED_WEIGHT_TOLERANCE if clipping else UNCLIPPED_WEIGHT_TOLERANCE
     assert_weights_match(run.exported_state_dict(), reference.model, tolerance)
+    assert_plan_matches_measured(run, CONFIGS[family], overrides, world_size=2)

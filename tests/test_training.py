@@ -17,6 +17,7 @@ from data import load_saved_tokenizer
 from engine.flops import gpt_flops_per_token
 from models import get_family
 from tests.support.launch import ROOT, free_port, launch, read_run, run_single
+from tests.support.monitor import MONITORS, assert_monitor_holds, csv_values, monitor_dir
 from tests.support.reference import reference_run
 
 GPT = "configs/tiny_gpt.json"
@@ -30,9 +31,10 @@ SCHEDULED = {
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """Ten steps of ZeRO-3 with a warm-up/cosine schedule, checkpointed at step 5 and 10."""
+    """Ten steps of ZeRO-3 with a warm-up/cosine schedule, checkpointed at step 5 and 10, with
+    TensorBoard and CSV monitors on."""
     output_dir = tmp_path_factory.mktemp("uninterrupted")
-    launch(GPT, SCHEDULED, output_dir)
+    launch(GPT, {**SCHEDULED, **MONITORS}, output_dir)
     return output_dir
 
 
@@ -84,6 +86,13 @@ def test_run_writes_metrics_and_resolved_config(uninterrupted: Path):
     for record in records:
         assert record["tflops_per_device"] == pytest.approx(per_token * record["tokens_per_s"] / 2 / 1e12)
         assert "mfu" not in record
+
+
+@pytest.mark.launch
+def test_run_writes_its_metrics_through_deepspeeds_monitor(uninterrupted: Path):
+    losses = assert_monitor_holds(uninterrupted, "loss")
+    # DeepSpeed's own events share the directory: its learning rate after every optimizer step.
+    assert csv_values(monitor_dir(uninterrupted), "Train/Samples/lr").keys() == losses.keys()
 
 
 def test_single_process_without_launcher_trains(tmp_path: Path):

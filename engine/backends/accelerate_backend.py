@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.backends.base import Backend, Batch, to_device
 from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
+from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import build_optimizer, build_scheduler
 from models import ModelFamily
 
@@ -75,6 +76,13 @@ class AccelerateBackend(Backend):
         self._skipped = 0
         self._norm: torch.Tensor | None = None
         self._check_wrapper()
+        self.state_watch = StepWatch(
+            self.optimizer, lambda: [p.grad for p in self.model.parameters()], self.model_state_tensors
+        )
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        """The parameters (FSDP2: this rank's DTensor shards) and the torch optimizer's state."""
+        return ModelStateTensors(list(self.model.parameters()), optimizer_state_tensors(self.optimizer))
 
     def _check_wrapper(self) -> None:
         """Refuse to train in a layout other than the one asked for (never a silent fallback)."""

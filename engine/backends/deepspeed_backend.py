@@ -18,13 +18,30 @@ import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-from deepspeed.runtime.utils import get_flattened_grad_norm
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
+from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.universal import canonical_names, loading_view, merged_info, save_names, universal_info
 from models import ModelFamily
+
+
+def fp32_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], grid: PipelineParallelGrid | None, device: torch.device
+) -> float:
+    """The norm DeepSpeed's fp32 clipping computes and discards (`deepspeed.runtime.utils.clip_grad_norm_`):
+    each gradient counted on the model-parallel rank that owns it, summed over the model-parallel group.
+    (`get_flattened_grad_norm` would count a tensor-replicated weight once per shard.)"""
+    lead = grid is None or grid.get_model_parallel_rank() == 0
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in parameters:
+        if p.grad is not None and (lead or is_model_parallel_parameter(p)):
+            total += p.grad.detach().float().norm().square()
+    if grid is not None:
+        dist.all_reduce(total, group=grid.get_model_parallel_group())
+    return float(total.sqrt())
 
 
 class DeepSpeedEngineBackend(Backend):
@@ -37,6 +54,49 @@ class DeepSpeedEngineBackend(Backend):
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def watch_gradients(self) -> None:
+        """Count model-state bytes at every optimizer step (`engine.memory.rank_memory` reads them)."""
+        self.state_watch = StepWatch(self.engine.optimizer, self._gradient_tensors, self.model_state_tensors)
+
+    def _gradient_tensors(self) -> list[torch.Tensor | None]:
+        """Where DeepSpeed keeps gradients at the optimizer step: `.grad` of the parameters (ZeRO-0;
+        bf16's fp32 accumulation buffers), the partitioned buffers ZeRO reduces into
+        (`averaged_gradients`, stage 3's `grad_partitions_flat_buffer`), and the fp32 gradient of the
+        offloaded master partition (`single_partition_of_fp32_groups[i].grad`, stage 3's
+        `fp32_partitioned_groups_flat[i].grad`)."""
+        optimizer = self.engine.optimizer
+        tensors: list[torch.Tensor | None] = [p.grad for p in self.engine.module.parameters()]
+        averaged = getattr(optimizer, "averaged_gradients", None) or {}
+        for group in averaged.values() if isinstance(averaged, dict) else averaged:
+            tensors.extend(group or [])
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat"):
+            tensors.extend(master.grad for master in getattr(optimizer, name, []))
+        tensors.extend(getattr(optimizer, "fp32_groups_gradients_flat", []))
+        tensors.append(getattr(optimizer, "grad_partitions_flat_buffer", None))
+        return tensors
+
+    def model_state_tensors(self) -> ModelStateTensors:
+        """The model's parameters (under ZeRO-3 each one's `ds_tensor` partition, and the full
+        tensor where it is gathered or persistent) and the optimizer's fp32 masters and state."""
+        optimizer = self.engine.optimizer
+        parameters: list[torch.Tensor] = []
+        for parameter in self.engine.module.parameters():
+            parameters.append(parameter)
+            if hasattr(parameter, "ds_tensor"):
+                parameters.append(parameter.ds_tensor)
+        masters = [
+            master
+            for name in (
+                "single_partition_of_fp32_groups",  # ZeRO-1/2
+                "fp32_partitioned_groups_flat",  # ZeRO-3
+                "fp32_groups_flat_partition",  # bf16 without ZeRO
+                "fp32_groups_flat",  # fp16 without ZeRO
+            )
+            for master in getattr(optimizer, name, [])
+        ]
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return ModelStateTensors(parameters, masters + optimizer_state_tensors(inner))
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
         module = self.engine.module
@@ -70,9 +130,23 @@ class DeepSpeedEngineBackend(Backend):
         return self.load(view.parent, view.name)
 
     def grad_norm(self) -> float | None:
+        if self._untracked_norm:
+            return self._norm
         # Recorded by the ZeRO, bf16 and fp16 optimizers at each step, before clipping.
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
+
+    def _track_norm(self) -> None:
+        # fp32 ZeRO-0 steps a bare torch optimizer, which reports no norm to the engine: the backend
+        # computes it on the steps the loop logs, before the step clips and zeroes the gradients.
+        self._untracked_norm = self.engine.zero_optimization_stage() == 0 and not (
+            self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
+        )
+        self._norm: float | None = None
+
+    def _measure_norm(self) -> None:
+        if self._untracked_norm and self.phase_timer is not None:
+            self._norm = fp32_grad_norm(self.engine.module.parameters(), self.grid, self.device)
 
     def skipped_steps(self) -> int:
         # Counted in `_take_model_step` whenever the optimizer reports `overflow`: ZeRO 1-3 and the
@@ -106,9 +180,8 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
-        # fp32 ZeRO-0 steps a bare torch optimizer, which reports no norm to the engine.
-        self._untracked_norm = self._zero_stage == 0 and not self._mixed_precision
-        self._norm: float | None = None
+        self.watch_gradients()
+        self._track_norm()
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         self.engine.train()
@@ -120,16 +193,12 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
                 loss = self.hooked(self.family.compute_loss(self.engine, batch))
             with self.phase("backward"):
                 self.engine.backward(loss)
-            if micro_step == self._accumulation - 1 and self._untracked_norm and self.phase_timer is not None:
-                # Logged steps only: the norm is read before step() clips and zeroes the gradients.
-                self._norm = get_flattened_grad_norm(self.engine.module.parameters(), mpu=self.grid)
+            if micro_step == self._accumulation - 1:
+                self._measure_norm()
             with self.phase("step"):
                 self.engine.step()
             loss_sum += loss.detach().float()
         return loss_sum / self._accumulation
-
-    def grad_norm(self) -> float | None:
-        return self._norm if self._untracked_norm else super().grad_norm()
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
         self.engine.eval()

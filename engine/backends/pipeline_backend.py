@@ -9,7 +9,9 @@ transfers between stages, and keeps tied weights (GPT's embedding and head) equa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,29 @@ import deepspeed
 import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from engine.backends.base import Batch, to_device
 from engine.backends.deepspeed_backend import DeepSpeedEngineBackend
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.layout import ParallelLayout
+from engine.timeline import PipelineEvent, step_breakdown
 from models import ModelFamily
+
+# The event kind (engine/timeline.py) of each instruction DeepSpeed's schedules issue.
+INSTRUCTION_KINDS = {
+    schedule.LoadMicroBatch: "load_micro_batch",
+    schedule.ForwardPass: "forward",
+    schedule.BackwardPass: "backward",
+    schedule.SendActivation: "send_activation",
+    schedule.RecvActivation: "recv_activation",
+    schedule.SendGrad: "send_grad",
+    schedule.RecvGrad: "recv_grad",
+    schedule.ReduceTiedGrads: "reduce_tied_grads",
+    schedule.ReduceGrads: "reduce_grads",
+    schedule.OptimizerStep: "optimizer_step",
+}
 
 
 def count_in_norm_once(module: torch.nn.Module, tensor_rank: int) -> None:
@@ -41,6 +60,66 @@ def count_in_norm_once(module: torch.nn.Module, tensor_rank: int) -> None:
             parameter.model_parallel = parameter.tensor_model_parallel = False
         elif tensor_rank == 0 or getattr(parameter, "tensor_model_parallel", False):
             parameter.model_parallel = True
+
+
+class InstructionTimer:
+    """Times every instruction a pipeline engine executes inside `record`, and keeps the events of
+    the last recorded step.
+
+    `_exec_schedule` binds `self._INSTRUCTION_MAP[type(cmd)]` to the engine for each instruction, so
+    a map set on the engine instance shadows the class's for this engine alone: each method is
+    wrapped once here, and DeepSpeed's code is neither copied nor subclassed. Outside a recorded
+    step a wrapper costs one attribute test; inside, two clock reads and one small object.
+    """
+
+    def __init__(self, engine: PipelineEngine, device: torch.device):
+        self.events: list[PipelineEvent] = []
+        # Every recorded step's forward and backward compute seconds: the stage's cost per pass is
+        # their median, steadier than one step's four or eight passes on a noisy machine.
+        self.compute_samples: dict[str, list[float]] = {"forward": [], "backward": []}
+        self._recording: list[PipelineEvent] | None = None
+        self._seen: Counter[str] = Counter()
+        # On a GPU an instruction returns once its kernels are queued; only a sync makes the clock
+        # read when they have run. Recorded steps are the ones the loop times anyway (one per log).
+        self._synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        # A pass's compute: CPU time on a CPU, where another process holding the core is not this stage's cost.
+        self._compute_clock = time.perf_counter if device.type == "cuda" else time.process_time
+        engine._INSTRUCTION_MAP = {
+            instruction: self._timed(INSTRUCTION_KINDS[instruction], method)
+            for instruction, method in PipelineEngine._INSTRUCTION_MAP.items()
+        }
+
+    def record(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()` (one train_batch), with its instructions recorded as the last step's events."""
+        self._recording, self._seen = [], Counter()
+        try:
+            loss = run()
+            self.events = self._recording
+            for event in self.events:
+                if event.kind in self.compute_samples:
+                    self.compute_samples[event.kind].append(event.compute_seconds)
+        finally:
+            self._recording = None
+        return loss
+
+    def _timed(self, kind: str, method: Callable[..., None]) -> Callable[..., None]:
+        def timed(engine: PipelineEngine, **kwargs: int) -> None:
+            if self._recording is None:
+                return method(engine, **kwargs)
+            self._synchronize()
+            start, compute_start = time.perf_counter(), self._compute_clock()
+            method(engine, **kwargs)
+            self._synchronize()
+            end, compute = time.perf_counter(), self._compute_clock() - compute_start
+            # DeepSpeed names a buffer slot, not the micro-batch; every per-micro-batch instruction
+            # kind handles a step's micro-batches in order, so the n-th of its kind is micro-batch n.
+            micro_batch = None
+            if "buffer_id" in kwargs:
+                micro_batch = self._seen[kind]
+                self._seen[kind] += 1
+            self._recording.append(PipelineEvent(kind, micro_batch, kwargs.get("buffer_id"), start, end, compute))
+
+        return timed
 
 
 class PipelineBackend(DeepSpeedEngineBackend):
@@ -74,6 +153,17 @@ class PipelineBackend(DeepSpeedEngineBackend):
         )
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
+        self.watch_gradients()
+        self._timer = InstructionTimer(self.engine, device)
+        self._track_norm()
+        optimizer_step = self.engine._INSTRUCTION_MAP[schedule.OptimizerStep]
+
+        def measured_optimizer_step(engine: PipelineEngine, **kwargs: int) -> None:
+            # After ReduceGrads and ReduceTiedGrads: every stage holds its reduced gradients.
+            self._measure_norm()
+            optimizer_step(engine, **kwargs)
+
+        self.engine._INSTRUCTION_MAP[schedule.OptimizerStep] = measured_optimizer_step
 
     def stage_layers(self) -> list[str]:
         """Each stage's layer range, for the start-up layout table."""
@@ -85,6 +175,25 @@ class PipelineBackend(DeepSpeedEngineBackend):
             yield self.family.pipeline.split_batch(to_device(next(batches), self.device, self.input_dtype))
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        # The steps the loop times (phase_timer set; always the last one) are recorded instruction by instruction.
+        if self.phase_timer is None:
+            return self._train_batch(batches)
+        return self._timer.record(lambda: self._train_batch(batches))
+
+    def timeline(self) -> list[PipelineEvent]:
+        """This rank's instructions in the last timed step (the run's last step, at the end), on its own clock."""
+        return list(self._timer.events)
+
+    def compute_samples(self) -> dict[str, list[float]]:
+        """This rank's forward and backward compute seconds over every recorded step."""
+        return {kind: list(samples) for kind, samples in self._timer.compute_samples.items()}
+
+    def step_breakdown(self) -> dict[str, float] | None:
+        """This stage's seconds of the last step in data loading, forward, backward, communication
+        (sends and receives, waits included) and step (gradient reductions and the optimizer)."""
+        return None if self.phase_timer is None else step_breakdown(self._timer.events)
+
+    def _train_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
         # train_batch returns the step's loss averaged over the data-parallel replicas, on every stage.
         if self.loss_hook is None:
             return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
@@ -107,6 +216,9 @@ class PipelineBackend(DeepSpeedEngineBackend):
         self.module.loss_fn = stacked_sums
         # The engine adds every forward's "loss" to the training total it keeps; start that afresh.
         self.engine.total_loss = None
+        # With a monitor on, eval_batch would broadcast these sums as one scalar loss and log it; the
+        # evaluation reaches the monitor through the engine's own record instead.
+        monitoring, self.engine.monitor.enabled = self.engine.monitor.enabled, False
         try:
             outputs = self.engine.eval_batch(
                 self._pipeline_batches(iter(batches), len(batches)),
@@ -117,6 +229,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
         finally:
             self.module.loss_fn = self.family.pipeline.loss
             self.engine.total_loss = None
+            self.engine.monitor.enabled = monitoring
         if self.engine.is_last_stage() and self.grid.get_slice_parallel_rank() == 0:
             return dict(zip(keys, sum(outputs), strict=True))
         # Only the last stage sees outputs, and its tensor shards all see the same ones.

@@ -97,6 +97,10 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     trainer["backend"] = effective_backend(trainer["backend"])
     if trainer["output_dir"] == AUTO:
         trainer["output_dir"] = str(Path("runs") / (source.stem if source else "default"))
+    for monitor in ("tensorboard", "csv_monitor"):
+        if doc[monitor]["output_path"] == AUTO:
+            # DeepSpeed's default ("") writes beside the working directory, apart from the run.
+            doc[monitor]["output_path"] = str(Path(trainer["output_dir"]) / "monitor")
     if trainer["threads_per_rank"] == AUTO:
         # The deepspeed launcher does not set OMP_NUM_THREADS; without this every rank would
         # start one thread per core and the ranks of a node would fight over them.

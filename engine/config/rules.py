@@ -7,6 +7,7 @@ any process starts, what DeepSpeed would otherwise assert at run time (or silent
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -279,6 +280,19 @@ def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware
         )
 
 
+_MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_monitors(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """DeepSpeed imports a monitor's package inside `deepspeed.initialize`, after every rank has
+    started; a missing one is better named here, before anything launches."""
+    for key, package in _MONITOR_PACKAGES.items():
+        if document[key]["enabled"] and importlib.util.find_spec(package) is None:
+            yield ConfigIssue(
+                f"{key}.enabled", f"the {package} package is not installed; `pip install {package}` or set it to false"
+            )
+
+
 RULES: tuple[Rule, ...] = (
     check_parallel_layout,
     check_pipeline,
@@ -292,6 +306,7 @@ RULES: tuple[Rule, ...] = (
     check_trainer,
     check_nonfinite,
     check_accelerate_backend,
+    check_monitors,
 )
 
 

@@ -278,6 +278,51 @@ _ZERO = _object(
     default={},
 )
 
+_MONITOR_OUTPUT_PATH = {
+    "type": "string",
+    "description": 'Directory of the files; "auto": <trainer.output_dir>/monitor, so they stay with the run.',
+    "default": AUTO,
+}
+_MONITOR_JOB_NAME = {
+    "type": "string",
+    "description": "Subdirectory of output_path the files go into.",
+    "default": "DeepSpeedJobName",
+}
+
+_TENSORBOARD = _object(
+    "TensorBoard event files through DeepSpeed's monitor: the engine's metrics (as Train/Samples/<metric>, "
+    "x = samples seen) beside DeepSpeed's own Train/Samples events. Needs the tensorboard package.",
+    {
+        "enabled": _boolean("Write TensorBoard event files on rank 0.", False),
+        "output_path": _MONITOR_OUTPUT_PATH,
+        "job_name": _MONITOR_JOB_NAME,
+    },
+    default={},
+)
+
+_CSV_MONITOR = _object(
+    "CSV files through DeepSpeed's monitor, one per metric (<output_path>/<job_name>/Train_Samples_<metric>.csv, "
+    "columns step and the metric, step counting samples seen).",
+    {
+        "enabled": _boolean("Write CSV files on rank 0.", False),
+        "output_path": _MONITOR_OUTPUT_PATH,
+        "job_name": _MONITOR_JOB_NAME,
+    },
+    default={},
+)
+
+_WANDB = _object(
+    "Weights & Biases logging through DeepSpeed's monitor (the same events as tensorboard). Needs the wandb "
+    "package; WANDB_MODE=offline keeps it local.",
+    {
+        "enabled": _boolean("Log to W&B from rank 0.", False),
+        "group": {"type": ["string", "null"], "description": "W&B group the run joins.", "default": None},
+        "team": {"type": ["string", "null"], "description": "W&B team (entity); null: your default.", "default": None},
+        "project": {"type": "string", "description": "W&B project.", "default": "deepspeed"},
+    },
+    default={},
+)
+
 DEEPSPEED_PROPERTIES: dict[str, dict] = {
     **_BATCH,
     "gradient_clipping": _number(
@@ -301,6 +346,9 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
         "DeepSpeed's own progress lines; the engine logs on its own, so this is rare by default.", 1000, minimum=1
     ),
     "wall_clock_breakdown": _boolean("DeepSpeed's forward/backward/step timers in its logs.", False),
+    "tensorboard": _TENSORBOARD,
+    "csv_monitor": _CSV_MONITOR,
+    "wandb": _WANDB,
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -469,6 +517,11 @@ _TRAINER = _object(
             "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0
         ),
         "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
+        "plots": _boolean(
+            "Rank 0 draws the run's curves (loss, eval, lr, throughput, step time, memory per rank) as PNGs in "
+            "<output_dir>/plots at the end; `python -m engine plot RUN_DIR` draws them at any time.",
+            True,
+        ),
         "peak_tflops": _number(
             "Dense peak TFLOP/s of one device at the run's precision, the denominator of the MFU in the "
             'metrics; "auto": from the engine\'s table of common GPUs (engine/flops.py), none on a CPU or '

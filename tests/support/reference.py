@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class ReferenceRun:
     config: EngineConfig
     losses: list[float]
+    grad_norms: list[float]  # each step's global gradient norm before clipping
     model: torch.nn.Module
 
 
@@ -62,7 +63,7 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
         )
         for rank in range(dp)
     ]
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(trainer["max_steps"]):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -71,10 +72,13 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
                 loss = family.compute_loss(model, next(loader))
                 (loss / (accumulation * dp)).backward()
                 total += loss.item()
+        grad_norms.append(
+            float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+        )
         if doc["gradient_clipping"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), doc["gradient_clipping"])
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
         losses.append(total / (accumulation * dp))
-    return ReferenceRun(config, losses, model)
+    return ReferenceRun(config, losses, grad_norms, model)

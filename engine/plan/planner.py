@@ -1,0 +1,206 @@
+"""The plan of a config at a world size: per rank, the exact model-state bytes (`states.py`) and
+the estimated activations and communication (`estimate.py`), then a verdict against the memory a
+device and a host have. Everything runs on the meta device: no model memory is allocated."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, ConfigIssue, EngineConfig
+from engine.parallel.layout import Coordinates, parallel_layout
+from engine.plan.estimate import (
+    Communication,
+    data_parallel_bytes,
+    gpt_activation_bytes,
+    module_output_bytes,
+    pipeline_bubble,
+    pipeline_bytes,
+    tensor_parallel_bytes,
+)
+from engine.plan.shapes import stage_numels
+from engine.plan.states import OptimizerKind, StateBytes, ZeroSettings, accelerate_state_bytes, state_bytes
+from models import get_family
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '512 GB', '1.5TiB' or a plain byte count; ValueError naming the text otherwise."""
+    match = _SIZE.match(text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. 80GiB, 512GB or 1.5TiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(count: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} B"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    where: Coordinates
+    layers: str
+    states: StateBytes
+    activations: int  # estimate, at the configured activation checkpointing
+    activations_other: int  # estimate with checkpointing switched the other way
+    communication: Communication
+
+    @property
+    def device(self) -> int:
+        return self.states.on_device + self.activations
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: EngineConfig
+    ranks: list[RankPlan]
+    bubble: float
+    checkpointing: bool
+    adam_share: str  # "1/8": the fraction of the optimizer states each rank holds
+
+    @property
+    def device_peak(self) -> int:
+        return max(rank.device for rank in self.ranks)
+
+    @property
+    def host_total(self) -> int:
+        return sum(rank.states.offloaded for rank in self.ranks)
+
+    @property
+    def communication(self) -> int:
+        return max(rank.communication.total for rank in self.ranks)
+
+
+def optimizer_kind(config: EngineConfig) -> OptimizerKind:
+    """Adam and AdamW keep two fp32 moments, SGD one momentum buffer when momentum is set.
+    torch's own Adam (resolved `torch_adam`) adds its step tensor; DeepSpeed's Adams do not."""
+    section = config.document["optimizer"]
+    params = section["params"]
+    if section["type"] == "SGD":
+        return OptimizerKind(moments=1 if params.get("momentum", 0) else 0, torch_step=False)
+    torch_adam = bool(params.get("torch_adam", False)) or config.trainer["backend"] == "accelerate"
+    return OptimizerKind(moments=2, torch_step=torch_adam)
+
+
+def zero_settings(config: EngineConfig) -> ZeroSettings:
+    zero = config.document["zero_optimization"]
+    return ZeroSettings(
+        stage=zero["stage"],
+        precision=config.precision,
+        offload_optimizer=zero["offload_optimizer"]["device"] != "none",
+        offload_param=zero["offload_param"]["device"] != "none",
+        persistence_threshold=zero["stage3_param_persistence_threshold"],
+        sub_group_size=zero["sub_group_size"],
+    )
+
+
+def settled(config: EngineConfig) -> EngineConfig:
+    """The config with `model.vocab_size: "auto"` replaced by the tokenizer's size, as the run
+    settles it (`engine.run.settle_vocabulary`); the text is read only for a char tokenizer."""
+    if config.model["family"] != "gpt" or config.model.get("vocab_size", "auto") != "auto":
+        return config
+    from data import build_datasets
+
+    bundle = build_datasets(
+        config.data,
+        family="gpt",
+        seed=config.trainer["seed"],
+        seq_len=config.data["seq_len"],
+        vocab_size=None,
+        num_classes=None,
+    )
+    return config.with_vocab_size(bundle.vocab_size) if bundle.vocab_size is not None else config
+
+
+def plan_run(config: EngineConfig) -> Plan:
+    """The plan of a loaded config at its world size."""
+    try:
+        config = settled(config)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError([ConfigIssue("data", str(error))], str(config.source)) from None
+    family = get_family(config.model["family"])
+    layout = parallel_layout(config)
+    numels, ranges, model = stage_numels(config, family)
+    zero, optimizer = zero_settings(config), optimizer_kind(config)
+    document = config.document
+    micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
+    element = 4 if config.precision == "fp32" else 2
+    arch = family.architecture(config.model) | {"vocab_size": config.model.get("vocab_size")}
+    checkpointing = bool(config.model.get("activation_checkpointing", False)) or (
+        layout.pipeline > 1 and config.parallel["pipeline_activation_checkpoint_interval"] > 0
+    )
+    blocks = family.pipeline.num_blocks(arch)
+    ranks = []
+    for rank in range(layout.world_size):
+        where = layout.coordinates(rank)
+        stage = numels[where.stage]
+        if config.trainer["backend"] == "accelerate":
+            states = accelerate_state_bytes(stage, _wrapper(config), layout.world_size, optimizer)
+        else:
+            states = state_bytes(stage, zero, layout.data, where.data, optimizer)
+        # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
+        in_flight = min(layout.pipeline - where.stage, accumulation)
+        last = where.stage == layout.pipeline - 1
+        stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
+        if family.name == "gpt":
+            seq_len = config.data["seq_len"]
+
+            def activations(ckpt: bool, seq_len: int = seq_len, last: bool = last, n: int = stage_blocks) -> int:
+                return gpt_activation_bytes(arch, seq_len, micro, n, layout.tensor, element, ckpt, last)
+
+            hidden, tokens = arch["n_embd"], micro * seq_len
+        else:
+            whole = _resnet_activations(model, micro, config.data["image_size"], element) // layout.pipeline
+
+            def activations(ckpt: bool, whole: int = whole) -> int:
+                return whole // 4 if ckpt else whole
+
+            hidden, tokens = 0, 0
+        communication = Communication(
+            data_parallel_bytes(zero.stage, sum(stage), element, layout.data),
+            tensor_parallel_bytes(stage_blocks, hidden, tokens, element, layout.tensor, accumulation),
+            pipeline_bytes(hidden, tokens, element, layout.pipeline, where.stage, accumulation)
+            if family.name == "gpt"
+            else 0,
+        )
+        ranks.append(
+            RankPlan(
+                rank,
+                where,
+                ranges[where.stage],
+                states,
+                in_flight * activations(checkpointing),
+                in_flight * activations(not checkpointing),
+                communication,
+            )
+        )
+    share = layout.data if zero.stage >= 1 else 1
+    adam_share = (
+        f"1/{share * layout.tensor * layout.pipeline}" if share * layout.tensor * layout.pipeline > 1 else "all"
+    )
+    return Plan(config, ranks, pipeline_bubble(layout.pipeline, accumulation), checkpointing, adam_share)
+
+
+def _wrapper(config: EngineConfig) -> str:
+    return "ddp" if config.zero_stage in (0, 1) else "fsdp"
+
+
+def _stage_blocks(blocks: int, stages: int, stage: int) -> int:
+    """Blocks on a stage when they are spread evenly (the "type" partition; an estimate otherwise)."""
+    return blocks // stages + (1 if stage < blocks % stages else 0)
+
+
+def _resnet_activations(model: torch.nn.Module, micro: int, image_size: int, element: int) -> int:
+    with torch.device("meta"):
+        example = torch.empty(micro, 3, image_size, image_size)
+    return module_output_bytes(model, example, element)

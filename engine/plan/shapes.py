@@ -1,0 +1,112 @@
+"""The parameters each pipeline stage holds, per tensor shard, worked out on the meta device: the
+model is built without memory, its tensor-parallel shards are sized from the family's plan, and
+its pipeline layers are cut into stages the way DeepSpeed's `PipelineModule` cuts them."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from deepspeed.pipe import LayerSpec
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+from torch import nn
+
+from engine.config import EngineConfig
+from models import ModelFamily
+from models.tensor_parallel import TensorParallelPlan
+
+
+def build_on_meta(family: ModelFamily, section: Mapping[str, Any]) -> nn.Module:
+    """The model's shapes without its memory (a pretrained checkpoint has the configured shapes)."""
+    section = {key: value for key, value in section.items() if key != "init_from"}
+    with torch.device("meta"):
+        return family.build(section)
+
+
+def sharded_parameters(model: nn.Module, plan: TensorParallelPlan | None, tensor: int) -> set[int]:
+    """Identities of the parameters `apply_tensor_parallel` splits across `tensor` ranks: every
+    parameter of a column-parallel module, a row-parallel weight (its bias stays whole) and the
+    vocabulary embedding (which the tied head shares)."""
+    if plan is None or tensor == 1:
+        return set()
+    modules = dict(model.named_modules())
+
+    def matching(pattern: str) -> list[nn.Module]:
+        return [module for name, module in modules.items() if fnmatch.fnmatchcase(name, pattern)]
+
+    split = {id(p) for pattern in plan.column for module in matching(pattern) for p in module.parameters()}
+    split |= {id(module.weight) for pattern in plan.row for module in matching(pattern)}
+    split.add(id(modules[plan.vocab_embedding].weight))
+    return split
+
+
+def local_numels(parameters: list[nn.Parameter], split: set[int], tensor: int) -> list[int]:
+    """Trainable elements per parameter on one tensor shard; the plan's rules keep splits even."""
+    return [p.numel() // tensor if id(p) in split else p.numel() for p in parameters if p.requires_grad]
+
+
+def unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    ordered = []
+    for module in modules:
+        for parameter in module.parameters():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                ordered.append(parameter)
+    return ordered
+
+
+def stage_parameters(
+    model: nn.Module, family: ModelFamily, stages: int, partition_method: str, split: set[int], tensor: int
+) -> tuple[list[list[nn.Parameter]], list[str]]:
+    """Each stage's parameters in the order its PipelineModule registers them, and its layer range.
+
+    pipe/module.py: `_partition_layers` balances parameter counts (`partition_balanced` over
+    `_count_layer_params`), layer counts (`partition_uniform`) or the layers whose class matches
+    the type (`type:` + the family's block pattern); `_build` registers the tied modules first
+    (`tied_modules` is created before any layer), then the stage's other layers in order.
+    """
+    layers = family.pipeline.layers(model)
+    built = [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
+    if stages == 1:
+        return [unique_parameters([model])], [f"layers 0-{len(layers) - 1}"]
+    if partition_method == "uniform":
+        parts = partition_uniform(num_items=len(layers), num_parts=stages)
+    elif partition_method == "type":
+        block = family.pipeline.block_type.lower()
+        weights = [1 if block in type(module).__name__.lower() else 0 for module in built]
+        parts = partition_balanced(weights=weights, num_parts=stages)
+    else:
+        # Counted on the tensor shard, as the shard's PipelineModule counts them.
+        counts = [sum(local_numels(list(module.parameters()), split, tensor)) for module in built]
+        parts = partition_balanced(weights=counts, num_parts=stages)
+    result = []
+    for stage in range(stages):
+        chosen = range(parts[stage], parts[stage + 1])
+        tied: dict[str, nn.Module] = {}
+        for index in chosen:
+            key = getattr(layers[index], "key", None)
+            if key is not None:
+                tied.setdefault(key, built[index])
+        others = [built[index] for index in chosen if getattr(layers[index], "key", None) is None]
+        result.append(unique_parameters([*tied.values(), *others]))
+    ranges = [f"layers {parts[stage]}-{parts[stage + 1] - 1}" for stage in range(stages)]
+    return result, ranges
+
+
+def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[int]], list[str], nn.Module]:
+    """Per pipeline stage, the trainable element counts one tensor shard holds, in flattening order."""
+    model = build_on_meta(family, config.model)
+    tensor = config.parallel["tensor_parallel_size"]
+    split = sharded_parameters(model, family.tensor_parallel, tensor)
+    stages, ranges = stage_parameters(
+        model,
+        family,
+        config.parallel["pipeline_parallel_size"],
+        config.parallel["pipeline_partition_method"],
+        split,
+        tensor,
+    )
+    return [local_numels(parameters, split, tensor) for parameters in stages], ranges, model

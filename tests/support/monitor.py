@@ -1,0 +1,48 @@
+"""Reading back what DeepSpeed's monitor wrote for a run: its CSV files and TensorBoard events."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.support.launch import read_run
+
+# Both monitors write to <output_path>/<job_name>; the engine's "auto" path and DeepSpeed's job name.
+MONITORS = {"tensorboard.enabled": True, "csv_monitor.enabled": True}
+JOB_NAME = "DeepSpeedJobName"
+
+
+def monitor_dir(output_dir: Path) -> Path:
+    return output_dir / "monitor" / JOB_NAME
+
+
+def csv_values(directory: Path, tag: str) -> dict[int, float]:
+    """{step: value} of DeepSpeed's csv monitor file for `tag` (named as csvMonitor names it)."""
+    with open(directory / (tag.replace("/", "_").replace(" ", "_") + ".csv")) as handle:
+        return {int(step): float(value) for step, value in csv.reader(handle) if step != "step"}
+
+
+def tensorboard_values(directory: Path, tag: str) -> dict[int, float]:
+    """{step: value} of every scalar event for `tag` in the event files of `directory`."""
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars(tag)}
+
+
+def assert_monitor_holds(output_dir: Path, key: str) -> dict[int, float]:
+    """Every logged value of metric `key` is in the run's CSV and TensorBoard files, at x = step x
+    global batch; returns the CSV values."""
+    records = read_run(output_dir).records
+    batch = json.loads((output_dir / "resolved_config.json").read_text())["train_batch_size"]
+    expected = {record["step"] * batch: record[key] for record in records if key in record}
+    assert expected
+    directory = monitor_dir(output_dir)
+    written = csv_values(directory, f"Train/Samples/{key}")
+    assert written == expected
+    # TensorBoard stores scalars as float32.
+    assert tensorboard_values(directory, f"Train/Samples/{key}") == pytest.approx(expected, rel=1e-6)
+    return written
