@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from PIL import Image
 from transformers import GPT2LMHeadModel
 
 from data import load_saved_tokenizer
@@ -86,6 +87,21 @@ def test_run_writes_metrics_and_resolved_config(uninterrupted: Path):
     for record in records:
         assert record["tflops_per_device"] == pytest.approx(per_token * record["tokens_per_s"] / 2 / 1e12)
         assert "mfu" not in record
+
+
+@pytest.mark.launch
+def test_run_draws_its_plots_at_the_end(uninterrupted: Path):
+    plots = uninterrupted / "plots"
+    expected = {"loss", "eval", "lr", "grad_norm", "throughput", "step_time", "memory"}
+    assert {path.stem for path in plots.glob("*.png")} == expected
+    for name in expected:
+        with Image.open(plots / f"{name}.png") as image:
+            assert image.width > 100 and image.height > 100
+            assert len(set(image.convert("L").getdata())) > 2  # something is drawn, not a blank canvas
+    for record in read_run(uninterrupted).records:
+        assert record["grad_norm"] > 0
+        assert {"time_data_s", "time_forward_s", "time_backward_s", "time_step_s"} <= record.keys()
+        assert [rank["parameter_bytes"] > 0 for rank in record["ranks"]] == [True, True]
 
 
 @pytest.mark.launch

@@ -39,30 +39,18 @@ def table(plan: Plan) -> str:
 
 def verdict(plan: Plan, device_memory: int | None, host_memory: int | None) -> tuple[bool, str]:
     """Whether the busiest rank fits the device and every rank's offloaded states fit the host."""
-    fits, lines = True, []
-    if device_memory is not None:
-        margin = device_memory - plan.device_peak
-        fits &= margin >= 0
-        lines.append(
-            f"device: {format_bytes(plan.device_peak)} on the busiest rank of {format_bytes(device_memory)}: "
-            + (
-                f"fits, {format_bytes(margin)} to spare"
-                if margin >= 0
-                else f"does not fit, {format_bytes(-margin)} over"
-            )
-        )
-    if host_memory is not None:
-        margin = host_memory - plan.host_total
-        fits &= margin >= 0
-        lines.append(
-            f"host: {format_bytes(plan.host_total)} offloaded by all ranks together of {format_bytes(host_memory)}: "
-            + (
-                f"fits, {format_bytes(margin)} to spare"
-                if margin >= 0
-                else f"does not fit, {format_bytes(-margin)} over"
-            )
-        )
-    return fits, "\n".join(lines)
+    budgets = [
+        ("device", "on the busiest rank", plan.device_peak, device_memory),
+        ("host", "offloaded by all ranks together", plan.host_total, host_memory),
+    ]
+    checked = [_budget(*budget) for budget in budgets if budget[3] is not None]
+    return all(fits for fits, _ in checked), "\n".join(line for _, line in checked)
+
+
+def _budget(memory: str, holder: str, needed: int, available: int) -> tuple[bool, str]:
+    margin = available - needed
+    outcome = f"fits, {format_bytes(margin)} to spare" if margin >= 0 else f"does not fit, {format_bytes(-margin)} over"
+    return margin >= 0, f"{memory}: {format_bytes(needed)} {holder} of {format_bytes(available)}: {outcome}"
 
 
 def explain(plan: Plan) -> str:

@@ -1,0 +1,76 @@
+"""`python -m bench [names...]`: run benchmarks (all by default), print each ratio next to its
+goal, store the results in bench/results.json and rewrite docs/benchmarks.md and its plot.
+
+A benchmark is a function from `Settings` to `Result`; adding one is a module and a line in
+`BENCHMARKS` (report order)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from bench import shakespeare, throughput
+from bench.report import REPORT, load_results, store_results, write_report
+from bench.results import Result
+from bench.settings import Settings
+from engine.config import ConfigError
+from engine.run import RunError
+
+BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
+    "overhead": throughput.versus_torch,  # 1: engine vs a minimal PyTorch loop
+    "deepspeed": throughput.versus_deepspeed,  # 2: engine vs a minimal raw DeepSpeed script
+    "shakespeare": shakespeare.run,  # 3: quality and speed on tinyshakespeare
+}
+
+
+def parse_settings(argv: list[str] | None) -> tuple[list[str], Settings]:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved trials per side of a speed benchmark")
+    parser.add_argument("--steps", type=int, default=250, help="steps per speed trial, the first interval untimed")
+    parser.add_argument("--log-interval", type=int, default=50, help="steps between log records in speed trials")
+    parser.add_argument("--quality-steps", type=int, default=2000, help="training steps of benchmark 3")
+    parser.add_argument("--quality-rounds", type=int, default=1, help="trials per side of benchmark 3")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parser.add_argument("--threads", type=int, default=cores, help="CPU threads of every side (default: all cores)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    if args.steps < 2 * args.log_interval:
+        parser.error("--steps must be at least twice --log-interval: the first interval is not timed")
+    settings = Settings(
+        rounds=args.rounds,
+        steps=args.steps,
+        log_interval=args.log_interval,
+        quality_steps=args.quality_steps,
+        quality_rounds=args.quality_rounds,
+        threads=args.threads,
+    )
+    return args.names or list(BENCHMARKS), settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    names, settings = parse_settings(argv)
+    results, failed = load_results(), []
+    for name in names:
+        print(f"{name}: running", flush=True)
+        try:
+            result = BENCHMARKS[name](settings)
+        except (ConfigError, RunError, RuntimeError) as error:
+            # One benchmark's missing data or failed run should not cost the others' figures.
+            print(f"{name}: failed: {error}", file=sys.stderr, flush=True)
+            failed.append(name)
+            continue
+        print(result.summary(), flush=True)
+        results[name] = result
+        store_results(results)
+    write_report([results[name] for name in BENCHMARKS if name in results])
+    print(f"wrote {REPORT}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

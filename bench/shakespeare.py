@@ -1,0 +1,97 @@
+"""Benchmark 3: quality and speed on real text. nanoGPT's "baby GPT" on tinyshakespeare, characters
+(4 layers, 4 heads, width 128, context 64, batch 12, AdamW at 1e-3 with 100 linear warm-up steps
+and a cosine to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no dropout: configs/shakespeare_char.json),
+trained by the engine and by the minimal PyTorch loop of benchmark 1 from the same weights on the
+same batches. Goals: validation loss <= 1.89 at step 2000, and seconds per step within 5% of the loop.
+
+The corpus (../shared/data/tinyshakespeare.txt, not committed) is split as nanoGPT splits it: the
+first 90% of its characters train, the last 10% validate (data/text.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from bench.machine import machine_facts
+from bench.results import Goal, Panel, Result, compare
+from bench.settings import Settings
+from bench.trials import ROOT, RUNS, baseline_side, engine_side, interleave, median, run_overrides
+from engine.config import load_config
+from engine.hardware import detect_hardware
+from engine.run import load_data
+
+CONFIG = ROOT / "configs" / "shakespeare_char.json"
+GOAL_STEP = 2000
+LOSS_GOAL = Goal("engine", "<=", 1.89)
+SPEED_GOAL = Goal("ratio", "<=", 1.05)
+BASELINE = "PyTorch loop"
+
+
+class ValidationSplit(NamedTuple):
+    batches: int  # micro-batches that cover the split once, but for a remainder under one micro-batch
+    micro_batch: int
+    seq_len: int
+    blocks: int  # seq_len-token blocks in the split
+
+
+def validation_split() -> ValidationSplit:
+    """How many evaluation batches cover the whole validation split (the engine evaluates a fixed
+    number of micro-batches, cycling the split if asked for more)."""
+    config = load_config(CONFIG, [], world_size=1, hardware=detect_hardware(local_world_size=1))
+    blocks = len(load_data(config).validation)
+    micro_batch = config.document["train_micro_batch_size_per_gpu"]
+    return ValidationSplit(blocks // micro_batch, micro_batch, config.data["seq_len"], blocks)
+
+
+def run(settings: Settings) -> Result:
+    steps = settings.quality_steps
+    split = validation_split()
+    log_interval = max(1, steps // 20)
+    overrides = run_overrides(steps, log_interval, split.batches, settings.threads)
+    sides = {
+        BASELINE: baseline_side("torch", CONFIG, overrides),
+        "engine": engine_side(CONFIG, overrides),
+    }
+    trials = interleave(sides, settings.quality_rounds, RUNS / "shakespeare")
+    baseline, engine = trials[BASELINE], trials["engine"]
+    early = None if steps == GOAL_STEP else f"the goal is stated at step {GOAL_STEP}; this run stopped at {steps}"
+    curves = {f"{side} training": tuple(map(list, zip(*trials[side][0].losses, strict=True))) for side in trials}
+    finals = {f"{side} validation": ([steps], [trials[side][0].eval_loss]) for side in trials}
+    return Result(
+        name="shakespeare",
+        title="Character-level GPT on tinyshakespeare: quality and speed",
+        baseline=BASELINE,
+        method=(
+            f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
+            f"{settings.threads} threads, {settings.quality_rounds} interleaved round(s). Speed over the steps "
+            f"after the first {log_interval} (logged every {log_interval}). Validation loss after the last step "
+            f"over {split.batches} batches of {split.micro_batch} non-overlapping {split.seq_len}-character blocks: "
+            f"{split.batches * split.micro_batch} of the {split.blocks} blocks of the last 10% of the text, in order."
+        ),
+        rows=[
+            compare(
+                "seconds per step",
+                median([t.seconds_per_step for t in baseline]),
+                median([t.seconds_per_step for t in engine]),
+                SPEED_GOAL,
+                ratio=median([e.seconds_per_step / b.seconds_per_step for e, b in zip(engine, baseline, strict=True)]),
+            ),
+            compare(
+                f"validation loss at step {steps}",
+                median([t.eval_loss for t in baseline]),
+                median([t.eval_loss for t in engine]),
+                LOSS_GOAL,
+                not_judged=early,
+            ),
+        ],
+        panels=[
+            Panel(
+                title="shakespeare: loss (first round)",
+                xlabel="step",
+                ylabel="cross-entropy",
+                series={**curves, **finals},
+                goal_line=LOSS_GOAL.limit,
+            )
+        ],
+        machine=machine_facts(settings.threads),
+    )
