@@ -95,14 +95,20 @@ def assert_start_up_table(log: str, layout: Layout) -> None:
 
 @pytest.mark.launch
 @pytest.mark.parametrize(
-    "parallel", [{**TP2, "zero_optimization.stage": 0}, {**PP2, "zero_optimization.stage": 1}], ids=["tp2", "pp2"]
+    "parallel",
+    [{"zero_optimization.stage": 0}, {**TP2, "zero_optimization.stage": 0}, {**PP2, "zero_optimization.stage": 1}],
+    ids=["dp2", "tp2", "pp2"],
 )
 def test_bf16_export_holds_the_fp32_masters(parallel: dict, tmp_path: Path):
-    """Under bf16 the model's weights are bf16; the export reads the optimizer's fp32 masters."""
-    run = launch(GPT, {**parallel, "bf16.enabled": True, "trainer.max_steps": 2}, tmp_path / "run")
+    """Under bf16 the model's weights are bf16; the export reads the optimizer's fp32 masters (the
+    tied embedding and head included), and each rank holds the bytes the planner predicts for
+    DeepSpeed's bf16 wrappers (per-parameter masters at ZeRO-0, BF16_Optimizer under the pipeline)."""
+    overrides = {**parallel, "bf16.enabled": True, "trainer.max_steps": 2}
+    run = launch(GPT, overrides, tmp_path / "run")
     weights = [tensor for name, tensor in run.exported_state_dict().items() if name.endswith("weight")]
     assert all(tensor.dtype == torch.float32 for tensor in weights)
     assert all((tensor.bfloat16().float() != tensor).any() for tensor in weights if tensor.dim() == 2)
+    assert_plan_matches_measured(run, GPT, overrides, world_size=2)
 
 
 @pytest.mark.parametrize(

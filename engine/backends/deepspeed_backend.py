@@ -44,6 +44,19 @@ def fp32_grad_norm(
     return float(total.sqrt())
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict names that hold a parameter already named earlier (a tied weight's second name),
+    mapped to the name `named_parameters` gives it."""
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters():
+        first.setdefault(id(parameter), name)
+    return {
+        name: first[id(tensor)]
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if first.get(id(tensor), name) != name
+    }
+
+
 class DeepSpeedEngineBackend(Backend):
     """What every DeepSpeed engine does the same way, whole model or pipeline: the learning rate,
     and checkpoints through `save_checkpoint` / `load_checkpoint`."""
@@ -95,6 +108,8 @@ class DeepSpeedEngineBackend(Backend):
             )
             for master in getattr(optimizer, name, [])
         ]
+        # fp16, and bf16 without ZeRO or pipeline, under a non-fused optimizer: one master per parameter.
+        masters += [master for group in getattr(optimizer, "fp32_groups", []) for master in group]
         inner = getattr(optimizer, "optimizer", optimizer)
         return ModelStateTensors(parameters, masters + optimizer_state_tensors(inner))
 
@@ -170,6 +185,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
     ):
         self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         self._names = tensor_names(model)
+        self._aliases = tied_aliases(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -241,4 +257,6 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             # group, in the order of the parameters handed to deepspeed.initialize.
             masters = states["optimizer"]["fp32_groups"][0]
             weights.update(zip(self._trainable, (master.float() for master in masters), strict=True))
+            # A tied weight's second name (GPT-2's lm_head) holds the same master.
+            weights.update({alias: weights[name] for alias, name in self._aliases.items()})
         return weights

@@ -101,6 +101,7 @@ def zero_settings(config: EngineConfig) -> ZeroSettings:
         offload_param=zero["offload_param"]["device"] != "none",
         persistence_threshold=zero["stage3_param_persistence_threshold"],
         sub_group_size=zero["sub_group_size"],
+        pipeline=parallel_layout(config).pipeline > 1,
     )
 
 

@@ -55,6 +55,7 @@ class ZeroSettings:
     offload_param: bool
     persistence_threshold: int  # stage 3: parameters this small stay whole on every rank
     sub_group_size: int  # stage 3: elements per optimizer sub-group
+    pipeline: bool  # DeepSpeed's pipeline engine, which wraps bf16 in BF16_Optimizer even at stage 0
 
 
 def element_bytes(precision: str) -> int:
@@ -71,7 +72,7 @@ def state_bytes(
     """One rank's model states: `numels` are its trainable parameters (this stage's, this tensor
     shard's), each once, in the order the model registers them, which is the order ZeRO flattens."""
     if zero.stage == 0:
-        return _zero0(numels, zero.precision, dp_size, dp_rank, optimizer)
+        return _zero0(numels, zero, dp_size, optimizer)
     if zero.stage in (1, 2):
         return _zero12(numels, zero, dp_size, dp_rank, optimizer)
     return _zero3(numels, zero, dp_size, optimizer)
@@ -82,13 +83,14 @@ def _moment_bytes(elements: int, groups: int, optimizer: OptimizerKind, torch_op
     return FP32_BYTES * optimizer.moments * elements + step
 
 
-def _zero0(numels: Sequence[int], precision: str, dp_size: int, dp_rank: int, optimizer: OptimizerKind) -> StateBytes:
+def _zero0(numels: Sequence[int], zero: ZeroSettings, dp_size: int, optimizer: OptimizerKind) -> StateBytes:
     total = sum(numels)
-    if precision == "fp32":
+    if zero.precision == "fp32":
         # engine.py `_configure_optimizer`: fp32 without ZeRO steps the bare torch optimizer on the
         # model's own tensors: one gradient per parameter, moments (and step) per parameter.
         return StateBytes(FP32_BYTES * total, FP32_BYTES * total, _moment_bytes(total, len(numels), optimizer, True), 0)
-    if precision == "bf16":
+    if zero.precision == "bf16" and zero.pipeline:
+        # engine.py `_do_optimizer_sanity_check` picks BF16_Optimizer under the pipeline engine;
         # bf16_optimizer.py: one bf16 flat buffer aligned to 2 x dp, an fp32 gradient buffer of the
         # same length (the lp gradients are dropped as they are accumulated), and an fp32 master
         # partition of flat/dp elements that the optimizer steps.
@@ -96,9 +98,11 @@ def _zero0(numels: Sequence[int], precision: str, dp_size: int, dp_rank: int, op
         partition = flat // dp_size
         optimizer_bytes = FP32_BYTES * partition + _moment_bytes(partition, 1, optimizer, True)
         return StateBytes(2 * flat, FP32_BYTES * flat, optimizer_bytes, 0)
-    # fp16/fp16_optimizer.py: fp16 weights flattened per group, fp16 `.grad`s until the step,
-    # whole fp32 masters that the optimizer steps.
-    optimizer_bytes = FP32_BYTES * total + _moment_bytes(total, 1, optimizer, True)
+    # fp16, and bf16 outside the pipeline (`DDP_BFLOAT16`), go to `_configure_fp16_optimizer`:
+    # half-precision weights and `.grad`s until the step, whole fp32 masters the optimizer steps:
+    # one flat tensor per group under FusedAdam (fp16/fp16_optimizer.py, no step tensor), one per
+    # parameter otherwise (fp16/unfused_optimizer.py, where torch's Adam keeps a step per parameter).
+    optimizer_bytes = FP32_BYTES * total + _moment_bytes(total, len(numels), optimizer, True)
     return StateBytes(2 * total, 2 * total, optimizer_bytes, 0)
 
 
