@@ -109,7 +109,7 @@ def interleave(sides: dict[str, Side], rounds: int, run_dir: Path) -> dict[str, 
     for number in range(rounds):
         order = list(sides) if number % 2 == 0 else list(reversed(sides))
         for name in order:
-            trial = sides[name](run_dir / f"{name}-{number}")
+            trial = sides[name](run_dir / f"{name.lower().replace(' ', '-')}-{number}")
             trials[name].append(trial)
             print(f"  round {number + 1}/{rounds} {name}: {trial.seconds_per_step * 1e3:.2f} ms/step", flush=True)
     return trials
