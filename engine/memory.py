@@ -78,7 +78,9 @@ class StepWatch:
     nothing is gathered for a forward pass (an evaluation would leave ZeRO-3's gathered).
 
     It replaces `step` on the optimizer instance (DeepSpeed's wrappers are not torch optimizers,
-    so torch's step hooks would miss them); the call itself is passed on unchanged.
+    so torch's step hooks would miss them); the call itself is passed on unchanged. It counts only
+    while `counting()` is true (the steps the loop logs): walking every tensor is Python work that
+    other steps should not pay.
     """
 
     def __init__(
@@ -86,11 +88,14 @@ class StepWatch:
         optimizer: Any,
         gradients: Callable[[], Iterable[torch.Tensor | None]],
         states: Callable[[], ModelStateTensors],
+        counting: Callable[[], bool],
     ):
         self.gradient_bytes = self.parameter_bytes = self.optimizer_bytes = 0
         step = optimizer.step
 
         def counting_step(*args: Any, **kwargs: Any) -> Any:
+            if not counting():
+                return step(*args, **kwargs)
             self.gradient_bytes = storage_bytes(gradients())
             result = step(*args, **kwargs)
             held = states()

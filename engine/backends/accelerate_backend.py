@@ -77,7 +77,10 @@ class AccelerateBackend(Backend):
         self._norm: torch.Tensor | None = None
         self._check_wrapper()
         self.state_watch = StepWatch(
-            self.optimizer, lambda: [p.grad for p in self.model.parameters()], self.model_state_tensors
+            self.optimizer,
+            lambda: [p.grad for p in self.model.parameters()],
+            self.model_state_tensors,
+            lambda: self.phase_timer is not None,
         )
 
     def model_state_tensors(self) -> ModelStateTensors:

@@ -69,8 +69,14 @@ class DeepSpeedEngineBackend(Backend):
         return float(self.engine.get_lr()[0])
 
     def watch_gradients(self) -> None:
-        """Count model-state bytes at every optimizer step (`engine.memory.rank_memory` reads them)."""
-        self.state_watch = StepWatch(self.engine.optimizer, self._gradient_tensors, self.model_state_tensors)
+        """Count model-state bytes at the optimizer step of every logged step (`engine.memory.rank_memory`
+        reads them)."""
+        self.state_watch = StepWatch(
+            self.engine.optimizer,
+            self._gradient_tensors,
+            self.model_state_tensors,
+            lambda: self.phase_timer is not None,
+        )
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
         """Where DeepSpeed keeps gradients at the optimizer step: `.grad` of the parameters (ZeRO-0;
