@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Settings:
     rounds: int  # interleaved trials per side in the speed benchmarks
-    steps: int  # optimizer steps per speed trial; the first log interval is start-up, not timed
-    log_interval: int  # steps between the engine's log records (and so the untimed first window)
+    steps: int  # optimizer steps per speed trial; timed by log window, the first one (start-up) excluded
+    log_interval: int  # steps per timed window (one logged step in each)
     quality_steps: int  # benchmark 3's training length (its goal is stated at 2000)
     quality_rounds: int  # benchmark 3's trials per side
     threads: int  # CPU threads of every side

@@ -63,8 +63,8 @@ def run(settings: Settings) -> Result:
         baseline=BASELINE,
         method=(
             f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
-            f"{settings.threads} threads, {settings.quality_rounds} interleaved round(s). Speed over the steps "
-            f"after the first {log_interval} (logged every {log_interval}). Validation loss after the last step "
+            f"{settings.threads} threads, {settings.quality_rounds} interleaved round(s), logged every {log_interval} "
+            "steps; speed is the fastest log window after the first. Validation loss after the last step "
             f"over {split.batches} batches of {split.micro_batch} non-overlapping {split.seq_len}-character blocks: "
             f"{split.batches * split.micro_batch} of the {split.blocks} blocks of the last 10% of the text, in order."
         ),

@@ -39,11 +39,11 @@ def _versus(name: str, kind: str, label: str, title: str, settings: Settings) ->
         title=title,
         baseline=label,
         method=(
-            f"{CONFIG.relative_to(ROOT)} (GPT 4x128, context 64, batch 12, AdamW, clipping), one process, "
-            f"{settings.threads} threads each. {settings.rounds} interleaved rounds (order flipped every round) of "
-            f"{settings.steps} steps per side in fresh processes; each trial times the steps after its first "
-            f"{settings.log_interval} (logged every {settings.log_interval}). Medians; the ratio is the median "
-            "of the per-round ratios."
+            f"{CONFIG.relative_to(ROOT)} (benchmark 3's shapes), one process, {settings.threads} threads per side. "
+            f"{settings.rounds} interleaved round(s) (order flipped every round) of "
+            f"{settings.steps} steps per side in fresh processes, logged every {settings.log_interval}; a trial's "
+            "speed is its fastest log window after the first (each window includes one logged step). Medians "
+            "over rounds; the ratio is the median of the per-round ratios."
         ),
         rows=[
             compare(

@@ -1,10 +1,10 @@
 """Timed trials of the engine and of a baseline, each in a fresh process, interleaved.
 
 Every side runs the same command-line config with the same overrides and writes the same
-`metrics.jsonl` (the engine its own, the baselines bench/baseline.py's). A trial's speed is taken
-over the steps after the first log record, so start-up, the first steps' allocations and any
-warm-up are excluded on both sides alike, and the per-log work of the engine is spread over
-`log_interval` steps as in a real run. Sides alternate within each round and the order flips
+`metrics.jsonl` (the engine its own, the baselines bench/baseline.py's). A trial's speed is its
+fastest log window after the first, so start-up, the first steps' allocations and any warm-up are
+excluded on both sides alike, and the per-log work of the engine is spread over `log_interval`
+steps as in a real run. Sides alternate within each round and the order flips
 every round (AB BA AB ...), so drift in the machine's load hits both sides alike; benchmarks
 report medians.
 """
@@ -18,7 +18,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,17 +86,21 @@ def _run(command: list[str], overrides: list[str], run_dir: Path) -> Trial:
 
 
 def read_trial(run_dir: Path) -> Trial:
-    """Speed over the records after the first (the first window holds start-up), from metrics.jsonl."""
+    """Speed from metrics.jsonl: the fastest window after the first (which holds start-up).
+
+    Each window is `log_interval` steps including one logged step, so the engine's logging is in
+    every window. The fastest, as `timeit` takes the minimum: on a shared machine another job's
+    burst slows some windows several-fold (threads of two processes fighting over the same cores),
+    which is noise about the machine, not about the loop."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if len(records) < 2:
         raise RuntimeError(f"{run_dir}: need at least two log records to time steady steps; run more steps")
     doc = json.loads((run_dir / "resolved_config.json").read_text())
     tokens_per_step = doc["train_batch_size"] * doc["data"]["seq_len"]
-    seconds = sum(r["step_time_s"] * (r["step"] - prev["step"]) for prev, r in pairwise(records))
-    steps = records[-1]["step"] - records[0]["step"]
+    fastest = min(record["step_time_s"] for record in records[1:])
     return Trial(
-        seconds_per_step=seconds / steps,
-        tokens_per_s=tokens_per_step * steps / seconds,
+        seconds_per_step=fastest,
+        tokens_per_s=tokens_per_step / fastest,
         losses=[(r["step"], r["loss"]) for r in records],
         eval_loss=records[-1].get("eval_loss"),
     )
