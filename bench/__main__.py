@@ -11,9 +11,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from bench import shakespeare, throughput
-from bench.report import REPORT, load_results, store_results, write_report
-from bench.results import Result
+from bench import gpu, memory, shakespeare, throughput
+from bench.report import REPORT, headline, load_results, store_results, write_report
+from bench.results import Result, Unavailable
 from bench.settings import Settings
 from engine.config import ConfigError
 from engine.run import RunError
@@ -22,6 +22,9 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "overhead": throughput.versus_torch,  # 1: engine vs a minimal PyTorch loop
     "deepspeed": throughput.versus_deepspeed,  # 2: engine vs a minimal raw DeepSpeed script
     "shakespeare": shakespeare.run,  # 3: quality and speed on tinyshakespeare
+    "memory": memory.run,  # 4: model-state bytes per rank against the ZeRO formulas
+    "gpu": gpu.speed,  # 5: GPT-2 124M tokens/s and MFU on one GPU
+    "offload": gpu.offload,  # 5: the largest GPT that trains on one GPU with ZeRO-Offload
 }
 
 
@@ -56,11 +59,14 @@ def parse_settings(argv: list[str] | None) -> tuple[list[str], Settings]:
 
 def main(argv: list[str] | None = None) -> int:
     names, settings = parse_settings(argv)
-    results, failed = load_results(), []
+    (results, history), failed = load_results(), []
     for name in names:
         print(f"{name}: running", flush=True)
         try:
             result = BENCHMARKS[name](settings)
+        except Unavailable as reason:
+            print(f"{name}: not run on this machine: {reason}", flush=True)
+            continue
         except (ConfigError, RunError, RuntimeError) as error:
             # One benchmark's missing data or failed run should not cost the others' figures.
             print(f"{name}: failed: {error}", file=sys.stderr, flush=True)
@@ -68,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(result.summary(), flush=True)
         results[name] = result
-        store_results(results)
-    write_report([results[name] for name in BENCHMARKS if name in results])
+        history.append(headline(result))
+        store_results(results, history)
+    write_report([results[name] for name in BENCHMARKS if name in results], history)
     print(f"wrote {REPORT}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

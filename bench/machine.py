@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,25 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": measured_commit(),
     }
+
+
+def measured_commit() -> str | None:
+    """The commit whose code was measured, marked "+changes" when the code that runs (the engine,
+    models, data, bench; not the stored results) differs from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is None:
+        return None
+    code = ["engine", "models", "data", "bench", ":!bench/results.json", "configs"]
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", *code)
+    return commit + ("+changes" if changed else "")
 
 
 def _cpu_model() -> str:

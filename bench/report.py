@@ -1,13 +1,16 @@
 """docs/benchmarks.md and its plot, rendered from the stored results of every benchmark.
 
-Results are kept in bench/results.json, one entry per benchmark, each with the machine and date it
-was measured on, so running one benchmark rewrites the report with the others' last figures.
+Results are kept in bench/results.json: the last result of each benchmark, with the machine, date and
+commit it was measured on, so running one benchmark rewrites the report with the others' last
+figures; and the headline of every run, the history that before/after ratios are read from.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
 from bench.results import Panel, Result, Row
 
@@ -16,17 +19,35 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 REPORT, PLOT = DOCS / "benchmarks.md", DOCS / "benchmarks.png"
 
 
-def load_results() -> dict[str, Result]:
+def load_results() -> tuple[dict[str, Result], list[dict[str, Any]]]:
+    """The last result of every benchmark, and the history of headline rows over all runs."""
     if not STORE.exists():
-        return {}
-    return {name: Result.from_json(data) for name, data in json.loads(STORE.read_text()).items()}
+        return {}, []
+    stored = json.loads(STORE.read_text())
+    results = {name: Result.from_json(data) for name, data in stored["results"].items()}
+    return results, stored["history"]
 
 
-def store_results(results: dict[str, Result]) -> None:
-    STORE.write_text(json.dumps({name: result.to_json() for name, result in results.items()}, indent=2) + "\n")
+def store_results(results: dict[str, Result], history: list[dict[str, Any]]) -> None:
+    stored = {"results": {name: result.to_json() for name, result in results.items()}, "history": history}
+    STORE.write_text(json.dumps(stored, indent=2) + "\n")
 
 
-def write_report(results: list[Result]) -> None:
+def headline(result: Result) -> dict[str, Any]:
+    """A result's first row with the commit and date it was measured at: one line of the history."""
+    row = result.rows[0]
+    return {
+        "benchmark": result.name,
+        "commit": result.machine.get("commit"),
+        "date": result.machine.get("date"),
+        "quantity": row.quantity,
+        "baseline": row.baseline,
+        "engine": row.engine,
+        "ratio": row.ratio,
+    }
+
+
+def write_report(results: list[Result], history: list[dict[str, Any]]) -> None:
     """The markdown report and, where any result has one, the plot it embeds."""
     panels = [panel for result in results for panel in result.panels]
     if panels:
@@ -44,7 +65,41 @@ def write_report(results: list[Result]) -> None:
         lines += [f"![benchmark plots]({PLOT.name})", ""]
     for result in results:
         lines += _section(result)
+    lines += _history(history)
     REPORT.write_text("\n".join(lines))
+
+
+def _history(history: list[dict[str, Any]]) -> list[str]:
+    """Every run's headline with the commit it measured: a speed change is justified by the ratio
+    of the runs before and after its commit."""
+    if not history:
+        return []
+    lines = [
+        "## History",
+        "",
+        'Every run of a benchmark, oldest first, with the commit it measured ("+changes": uncommitted '
+        "code on top). A speed change is judged by the ratio in the runs before and after its commit.",
+        "",
+        "| measured | benchmark | commit | change | quantity | baseline | engine | engine / baseline |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for entry in history:
+        commit = entry["commit"] or "—"
+        lines.append(
+            f"| {entry['date']} | {entry['benchmark']} | {commit} | {_subject(entry['commit'])} | {entry['quantity']} "
+            f"| {_number(entry['baseline'])} | {_number(entry['engine'])} | {entry['ratio']:.3f} |"
+        )
+    return [*lines, ""]
+
+
+def _subject(commit: str | None) -> str:
+    """The commit's subject line, where this clone knows the commit and nothing was uncommitted."""
+    if commit is None or commit.endswith("+changes"):
+        return ""
+    result = subprocess.run(
+        ["git", "log", "-1", "--format=%s", commit], cwd=DOCS.parent, capture_output=True, text=True
+    )
+    return result.stdout.strip().replace("|", "\\|") if result.returncode == 0 else ""
 
 
 def _section(result: Result) -> list[str]:

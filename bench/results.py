@@ -9,6 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+class Unavailable(Exception):
+    """This machine cannot run the benchmark (no GPU): reported and passed over, not a failure."""
+
+
 @dataclass(frozen=True)
 class Goal:
     """A bound on the row's ratio (engine / baseline) or on the engine's own value."""

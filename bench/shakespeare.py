@@ -2,7 +2,8 @@
 (4 layers, 4 heads, width 128, context 64, batch 12, AdamW at 1e-3 with 100 linear warm-up steps
 and a cosine to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no dropout: configs/shakespeare_char.json),
 trained by the engine and by the minimal PyTorch loop of benchmark 1 from the same weights on the
-same batches. Goals: validation loss <= 1.89 at step 2000, and seconds per step within 5% of the loop.
+same batches, step for step in one process. Goals: validation loss <= 1.89 at step 2000, and
+seconds per step within 5% of the loop.
 
 The corpus (../shared/data/tinyshakespeare.txt, not committed) is split as nanoGPT splits it: the
 first 90% of its characters train, the last 10% validate (data/text.py).
@@ -15,7 +16,7 @@ from typing import NamedTuple
 from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS, baseline_side, engine_side, interleave, median, run_overrides
+from bench.trials import ROOT, RUNS, median, rounds, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
 from engine.run import load_data
@@ -48,38 +49,36 @@ def run(settings: Settings) -> Result:
     split = validation_split()
     log_interval = max(1, steps // 20)
     overrides = run_overrides(steps, log_interval, split.batches, settings.threads)
-    sides = {
-        BASELINE: baseline_side("torch", CONFIG, overrides),
-        "engine": engine_side(CONFIG, overrides),
-    }
-    trials = interleave(sides, settings.quality_rounds, RUNS / "shakespeare")
-    baseline, engine = trials[BASELINE], trials["engine"]
+    pairs = rounds("torch", CONFIG, overrides, settings.quality_rounds, RUNS / "shakespeare", "shakespeare")
     early = None if steps == GOAL_STEP else f"the goal is stated at step {GOAL_STEP}; this run stopped at {steps}"
-    curves = {f"{side} training": tuple(map(list, zip(*trials[side][0].losses, strict=True))) for side in trials}
-    finals = {f"{side} validation": ([steps], [trials[side][0].eval_loss]) for side in trials}
+    first = {"engine": pairs[0].engine, BASELINE: pairs[0].baseline}
+    curves = {f"{side} training": tuple(map(list, zip(*first[side].losses, strict=True))) for side in first}
+    finals = {f"{side} validation": ([steps], [first[side].eval_loss]) for side in first}
     return Result(
         name="shakespeare",
         title="Character-level GPT on tinyshakespeare: quality and speed",
         baseline=BASELINE,
         method=(
             f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
-            f"{settings.threads} threads, {settings.quality_rounds} interleaved round(s), logged every {log_interval} "
-            "steps; speed is the fastest log window after the first. Validation loss after the last step "
-            f"over {split.batches} batches of {split.micro_batch} non-overlapping {split.seq_len}-character blocks: "
-            f"{split.batches * split.micro_batch} of the {split.blocks} blocks of the last 10% of the text, in order."
+            f"{settings.threads} threads, {settings.quality_rounds} round(s), each a fresh process in which the engine "
+            "and the loop alternate step by step (bench/paired.py), the engine logging every "
+            f"{log_interval} steps; speed is the median {log_interval}-step window after the first. Validation loss "
+            f"after the last step over {split.batches} batches of {split.micro_batch} non-overlapping "
+            f"{split.seq_len}-character blocks: {split.batches * split.micro_batch} of the {split.blocks} blocks of "
+            "the last 10% of the text, in order."
         ),
         rows=[
             compare(
                 "seconds per step",
-                median([t.seconds_per_step for t in baseline]),
-                median([t.seconds_per_step for t in engine]),
+                median([p.baseline.seconds_per_step for p in pairs]),
+                median([p.engine.seconds_per_step for p in pairs]),
                 SPEED_GOAL,
-                ratio=median([e.seconds_per_step / b.seconds_per_step for e, b in zip(engine, baseline, strict=True)]),
+                ratio=median([1 / p.ratio for p in pairs]),
             ),
             compare(
                 f"validation loss at step {steps}",
-                median([t.eval_loss for t in baseline]),
-                median([t.eval_loss for t in engine]),
+                median([p.baseline.eval_loss for p in pairs]),
+                median([p.engine.eval_loss for p in pairs]),
                 LOSS_GOAL,
                 not_judged=early,
             ),

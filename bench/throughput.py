@@ -10,7 +10,7 @@ from __future__ import annotations
 from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS, baseline_side, engine_side, interleave, median, paired_ratio, run_overrides
+from bench.trials import ROOT, RUNS, median, rounds, run_overrides
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
 GOAL = Goal("ratio", ">=", 0.97)
@@ -27,36 +27,31 @@ def versus_deepspeed(settings: Settings) -> Result:
 
 def _versus(name: str, kind: str, label: str, title: str, settings: Settings) -> Result:
     overrides = run_overrides(settings.steps, settings.log_interval, eval_batches=1, threads=settings.threads)
-    sides = {
-        label: baseline_side(kind, CONFIG, overrides),
-        "engine": engine_side(CONFIG, overrides),
-    }
-    trials = interleave(sides, settings.rounds, RUNS / name)
-    baseline, engine = trials[label], trials["engine"]
-    rounds = list(range(1, settings.rounds + 1))
+    pairs = rounds(kind, CONFIG, overrides, settings.rounds, RUNS / name, name)
+    numbers = list(range(1, settings.rounds + 1))
     return Result(
         name=name,
         title=title,
         baseline=label,
         method=(
-            f"{CONFIG.relative_to(ROOT)} (benchmark 3's shapes), one process, {settings.threads} threads per side. "
-            f"{settings.rounds} interleaved round(s) (order flipped every round) of "
-            f"{settings.steps} steps per side in fresh processes, logged every {settings.log_interval}; a trial's "
-            "speed is its fastest log window after the first (each window includes one logged step). Medians "
-            "over rounds; the ratio is the median of the per-round ratios."
+            f"{CONFIG.relative_to(ROOT)} (benchmark 3's shapes), one process, {settings.threads} threads. "
+            f"{settings.rounds} round(s), each a fresh process in which the engine and the baseline alternate step "
+            f"by step for {settings.steps} steps (bench/paired.py), the engine logging every {settings.log_interval}. "
+            f"Speed: the median {settings.log_interval}-step window after the first; ratio: the median of the "
+            "per-window ratios, then the median over rounds."
         ),
         rows=[
             compare(
                 "tokens/s",
-                median([t.tokens_per_s for t in baseline]),
-                median([t.tokens_per_s for t in engine]),
+                median([p.baseline.tokens_per_s for p in pairs]),
+                median([p.engine.tokens_per_s for p in pairs]),
                 GOAL,
-                ratio=paired_ratio(engine, baseline),
+                ratio=median([p.ratio for p in pairs]),
             ),
             compare(
                 "ms per step",
-                median([t.seconds_per_step * 1e3 for t in baseline]),
-                median([t.seconds_per_step * 1e3 for t in engine]),
+                median([p.baseline.seconds_per_step * 1e3 for p in pairs]),
+                median([p.engine.seconds_per_step * 1e3 for p in pairs]),
             ),
         ],
         panels=[
@@ -64,7 +59,11 @@ def _versus(name: str, kind: str, label: str, title: str, settings: Settings) ->
                 title=f"{name}: tokens/s per round",
                 xlabel="round",
                 ylabel="tokens/s",
-                series={side: (rounds, [t.tokens_per_s for t in trials[side]]) for side in trials},
+                series={
+                    label: (numbers, [p.baseline.tokens_per_s for p in pairs]),
+                    "engine": (numbers, [p.engine.tokens_per_s for p in pairs]),
+                },
+                goal_line=None,
             )
         ],
         machine=machine_facts(settings.threads),

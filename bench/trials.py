@@ -1,12 +1,10 @@
-"""Timed trials of the engine and of a baseline, each in a fresh process, interleaved.
+"""Trials: the engine paired with a baseline in one fresh process (bench/paired.py), and the engine
+alone under the `deepspeed` launcher.
 
-Every side runs the same command-line config with the same overrides and writes the same
-`metrics.jsonl` (the engine its own, the baselines bench/baseline.py's). A trial's speed is its
-fastest log window after the first, so start-up, the first steps' allocations and any warm-up are
-excluded on both sides alike, and the per-log work of the engine is spread over `log_interval`
-steps as in a real run. Sides alternate within each round and the order flips
-every round (AB BA AB ...), so drift in the machine's load hits both sides alike; benchmarks
-report medians.
+A paired trial alternates windows of `log_interval` steps between the sides; each engine window
+holds one logged step, so the engine's logging is charged as in a real run. The first window of
+each side (start-up, first allocations, compilation) is dropped. A side's speed is its median
+window, and the trial's ratio is the median of the ratios of back-to-back windows.
 """
 
 from __future__ import annotations
@@ -16,17 +14,19 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.paired import PAIRED
+from engine.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs" / "bench"
 
 
 @dataclass(frozen=True)
-class Trial:
-    """One process's steady-state speed, its logged training losses and its final evaluation."""
+class Side:
+    """One side's steady speed in a trial, its logged training losses and its final evaluation."""
 
     seconds_per_step: float
     tokens_per_s: float
@@ -34,12 +34,16 @@ class Trial:
     eval_loss: float | None
 
 
-Side = Callable[[Path], Trial]  # runs one trial writing into the given directory
+@dataclass(frozen=True)
+class Pair:
+    engine: Side
+    baseline: Side
+    ratio: float  # engine / baseline throughput: the median over windows of the paired ratios
 
 
 def run_overrides(steps: int, log_interval: int, eval_batches: int, threads: int) -> list[str]:
-    """What every side of a trial is told, on top of the benchmark's config. Every side sets its
-    thread count from `trainer.threads_per_rank`, as the engine does."""
+    """What every trial is told on top of its benchmark's config (the thread count is also the
+    baseline's: it shares the engine's process)."""
     return [
         f"trainer.max_steps={steps}",
         f"trainer.log_interval={log_interval}",
@@ -53,25 +57,37 @@ def run_overrides(steps: int, log_interval: int, eval_batches: int, threads: int
     ]
 
 
-def engine_side(config: Path, overrides: list[str]) -> Side:
-    """The real engine, started as users start one process: `python engine/main.py`."""
+def paired_trial(kind: str, config: Path, overrides: list[str], run_dir: Path) -> Pair:
+    """The engine and the `kind` baseline ("torch" or "deepspeed"), step for step in one process."""
+    _run([sys.executable, "-m", "bench.paired", kind, "--config", str(config)], overrides, run_dir)
+    paired = json.loads((run_dir / PAIRED).read_text())
+    records = read_records(run_dir)
+    doc = json.loads((run_dir / "resolved_config.json").read_text())
+    tokens_per_step, window = doc["train_batch_size"] * doc["data"]["seq_len"], paired["window"]
+    # Engine window k and baseline window k ran back to back; the first of each (start-up) is dropped.
+    engine, baseline = paired["engine_windows"], paired["baseline_windows"][1 : len(paired["engine_windows"]) + 1]
+    if not engine:
+        raise RuntimeError(f"{run_dir}: too few steps to time after the first window; run more steps")
 
-    def trial(run_dir: Path) -> Trial:
-        return _run([sys.executable, "engine/main.py", "--deepspeed_config", str(config)], overrides, run_dir)
+    def side(windows: list[float], losses: list, eval_loss: float | None) -> Side:
+        seconds = statistics.median(windows) / window
+        return Side(seconds, tokens_per_step / seconds, [tuple(loss) for loss in losses], eval_loss)
 
-    return trial
-
-
-def baseline_side(kind: str, config: Path, overrides: list[str]) -> Side:
-    """A bench/baseline.py loop (`kind` "torch" or "deepspeed") on the same config and overrides."""
-
-    def trial(run_dir: Path) -> Trial:
-        return _run([sys.executable, "-m", "bench.baseline", kind, "--config", str(config)], overrides, run_dir)
-
-    return trial
+    return Pair(
+        engine=side(engine, [(r["step"], r["loss"]) for r in records], records[-1].get("eval_loss")),
+        baseline=side(baseline, paired["baseline_losses"], paired["baseline_eval_loss"]),
+        ratio=statistics.median(b / e for e, b in zip(engine, baseline, strict=True)),
+    )
 
 
-def _run(command: list[str], overrides: list[str], run_dir: Path) -> Trial:
+def launch_engine(config: Path, overrides: list[str], run_dir: Path, processes: int) -> list[dict]:
+    """The engine under the `deepspeed` launcher with `processes` local ranks; its metrics records."""
+    launcher = ["deepspeed", "--num_gpus", str(processes), "--master_port", str(free_port())]
+    _run([*launcher, "engine/main.py", "--deepspeed_config", str(config)], overrides, run_dir)
+    return read_records(run_dir)
+
+
+def _run(command: list[str], overrides: list[str], run_dir: Path) -> None:
     # A fresh directory: the engine would otherwise find the last trial's metrics and checkpoints.
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -82,46 +98,25 @@ def _run(command: list[str], overrides: list[str], run_dir: Path) -> Trial:
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
         raise RuntimeError(f"{' '.join(command[:4])} ... exited {code}; log {log}:\n{tail}")
-    return read_trial(run_dir)
 
 
-def read_trial(run_dir: Path) -> Trial:
-    """Speed from metrics.jsonl: the fastest window after the first (which holds start-up).
-
-    Each window is `log_interval` steps including one logged step, so the engine's logging is in
-    every window. The fastest, as `timeit` takes the minimum: on a shared machine another job's
-    burst slows some windows several-fold (threads of two processes fighting over the same cores),
-    which is noise about the machine, not about the loop."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if len(records) < 2:
-        raise RuntimeError(f"{run_dir}: need at least two log records to time steady steps; run more steps")
-    doc = json.loads((run_dir / "resolved_config.json").read_text())
-    tokens_per_step = doc["train_batch_size"] * doc["data"]["seq_len"]
-    fastest = min(record["step_time_s"] for record in records[1:])
-    return Trial(
-        seconds_per_step=fastest,
-        tokens_per_s=tokens_per_step / fastest,
-        losses=[(r["step"], r["loss"]) for r in records],
-        eval_loss=records[-1].get("eval_loss"),
-    )
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def interleave(sides: dict[str, Side], rounds: int, run_dir: Path) -> dict[str, list[Trial]]:
-    """`rounds` trials of every side, alternating, the order reversed every other round."""
-    trials: dict[str, list[Trial]] = {name: [] for name in sides}
-    for number in range(rounds):
-        order = list(sides) if number % 2 == 0 else list(reversed(sides))
-        for name in order:
-            trial = sides[name](run_dir / f"{name.lower().replace(' ', '-')}-{number}")
-            trials[name].append(trial)
-            print(f"  round {number + 1}/{rounds} {name}: {trial.seconds_per_step * 1e3:.2f} ms/step", flush=True)
-    return trials
+def rounds(kind: str, config: Path, overrides: list[str], count: int, run_dir: Path, label: str) -> list[Pair]:
+    """`count` paired trials, each in a fresh process."""
+    pairs = []
+    for number in range(count):
+        pair = paired_trial(kind, config, overrides, run_dir / f"{label}-{number}")
+        pairs.append(pair)
+        print(
+            f"  round {number + 1}/{count} {label}: engine {pair.engine.seconds_per_step * 1e3:.2f} ms/step, "
+            f"baseline {pair.baseline.seconds_per_step * 1e3:.2f} ms/step, ratio {pair.ratio:.3f}",
+            flush=True,
+        )
+    return pairs
 
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
-
-
-def paired_ratio(engine: list[Trial], baseline: list[Trial]) -> float:
-    """Median over rounds of engine / baseline throughput, each pair measured back to back."""
-    return median([e.tokens_per_s / b.tokens_per_s for e, b in zip(engine, baseline, strict=True)])

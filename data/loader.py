@@ -107,6 +107,7 @@ def make_train_loader(
     seed: int,
     start_step: int = 0,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """An endless iterator of this rank's micro-batches: step `start_step` micro 0, micro 1, ...
 
@@ -126,6 +127,7 @@ def make_train_loader(
         batch_sampler=sampler,
         collate_fn=stack_samples,
         num_workers=num_workers,
+        pin_memory=pin_memory,
         generator=_private_generator(),
     )
     return iter(loader)
@@ -139,6 +141,7 @@ def make_eval_loader(
     dp_size: int,
     max_batches: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """Exactly `max_batches` unshuffled batches for this rank, the same ones at every evaluation.
 
@@ -156,6 +159,7 @@ def make_eval_loader(
         batch_sampler=batches,
         collate_fn=stack_samples,
         num_workers=num_workers,
+        pin_memory=pin_memory,
         generator=_private_generator(),
     )
 

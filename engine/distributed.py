@@ -39,7 +39,7 @@ def init_process_group(device_type: str, timeout_s: float = 600.0) -> torch.devi
     import deepspeed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -72,7 +72,7 @@ def _release_shm_buffers() -> None:
         path.unlink(missing_ok=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as sock:

@@ -16,10 +16,11 @@ from deepspeed.runtime import lr_schedules
 
 
 def build_optimizer(
-    section: dict[str, Any], parameters: Iterable[torch.nn.Parameter], cpu_adam: bool = False
+    section: dict[str, Any], parameters: Iterable[torch.nn.Parameter], cpu_adam: bool = False, fused: bool = False
 ) -> torch.optim.Optimizer:
     """DeepSpeed treats "Adam" as AdamW unless adam_w_mode is false; `cpu_adam` picks DeepSpeed's
-    C++ CPU Adam, the one DeepSpeed runs under optimizer offload."""
+    C++ CPU Adam, the one DeepSpeed runs under optimizer offload. `fused`: torch's fused Adam kernel
+    (for parameters on a GPU), one launch per step for all tensors, as DeepSpeed's FusedAdam is there."""
     params = dict(section["params"])
     if section["type"] == "SGD":
         return torch.optim.SGD(parameters, **params)
@@ -28,6 +29,8 @@ def build_optimizer(
     params.pop("torch_adam", None)
     if cpu_adam:
         return DeepSpeedCPUAdam(parameters, adamw_mode=decoupled, **params)
+    if fused:
+        params["fused"] = True
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(parameters, **params)
 
 

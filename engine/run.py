@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -181,7 +182,10 @@ def export_and_sample(
     barrier()
 
 
-def run(config_path: str, overrides: list[str]) -> int:
+def run(config_path: str, overrides: list[str], between_steps: Callable[[int], None] | None = None) -> int:
+    """One rank's whole run; the exit code. `between_steps(step)` is called after every optimizer
+    step once its health is checked: the benchmarks run their baseline's step there, in the same
+    process and interleaved with the engine's (bench/paired.py)."""
     try:
         prepared = prepare(config_path, overrides)
     except (ConfigError, RunError) as error:
@@ -196,7 +200,7 @@ def run(config_path: str, overrides: list[str]) -> int:
     if env_world_size() > 1:
         watchdog = Watchdog(env_rank(), env_world_size(), trainer["comm_timeout_s"], output.announce).start()
     try:
-        train_run(prepared, device)
+        train_run(prepared, device, between_steps)
     except Exception as error:
         end_after_failure(error, watchdog, output)
     if watchdog is not None:
@@ -250,7 +254,7 @@ def reshape_checkpoint(tag_dir: Path) -> Path:
     return universal
 
 
-def train_run(prepared: Prepared, device: torch.device) -> None:
+def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[[int], None] | None = None) -> None:
     """Build the backend, train, save and export; the process group is already up."""
     config, bundle = prepared.config, prepared.data
     trainer = config.trainer
@@ -285,6 +289,7 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
         seed=trainer["seed"],
         start_step=start_step,
         num_workers=config.data["num_workers"],
+        pin_memory=config.data["pin_memory"],
     )
 
     def eval_batches():
@@ -295,6 +300,7 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
             dp_size=config.dp_size,
             max_batches=trainer["eval_batches"],
             num_workers=config.data["num_workers"],
+            pin_memory=config.data["pin_memory"],
         )
 
     settings = loop_settings(config)
@@ -336,6 +342,8 @@ def train_run(prepared: Prepared, device: torch.device) -> None:
 
     def after_step(step: int) -> None:
         inject(prepared.fault, env_rank(), "step", step)
+        if between_steps is not None:
+            between_steps(step)
 
     def before_step(step: int) -> None:
         backend.loss_hook = loss_hook(prepared.fault, env_rank(), step)

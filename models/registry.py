@@ -46,7 +46,7 @@ class ModelFamily:
     `compute_loss` and `eval_sums` receive the module itself or a wrapper that forwards calls to it
     (a DeepSpeed engine), so they only call the model and never reach into its attributes.
     `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
-    submodules FSDP wraps one by one.
+    repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
     """
 
     name: str

@@ -66,12 +66,21 @@ class AccelerateBackend(Backend):
         self._clipping = document["gradient_clipping"]
         self._autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
         self.accelerator = Accelerator(cpu=device.type == "cpu")
+        if config.trainer["compile"]:
+            # Block by block, before any wrapper, as torchtitan does: identical blocks share one
+            # compiled graph, and DDP's and FSDP2's hooks stay outside it.
+            for unit in family.shard_units(model):
+                unit.compile()
         if self.wrapper == "ddp":
             self.model = self.accelerator.prepare_model(model)
         else:
             full = self.wrapper == "fsdp_full"
             self.model = _fully_shard(model, family, device, reshard=full, offload=offloads(config))
-        self.optimizer = build_optimizer(document["optimizer"], [p for p in self.model.parameters() if p.requires_grad])
+        self.optimizer = build_optimizer(
+            document["optimizer"],
+            [p for p in self.model.parameters() if p.requires_grad],
+            fused=device.type == "cuda" and not offloads(config),
+        )
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
         self._skipped = 0
         self._norm: torch.Tensor | None = None

@@ -68,6 +68,12 @@ class DeepSpeedEngineBackend(Backend):
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def compile(self) -> None:
+        """torch.compile through DeepSpeed (`DeepSpeedEngine.compile`): the whole module, or under the
+        pipeline engine each of this stage's layers (`PipelineModule.compile`), with the
+        accelerator's default backend (inductor)."""
+        self.engine.compile()
+
     def watch_gradients(self) -> None:
         """Count model-state bytes at the optimizer step of every logged step (`engine.memory.rank_memory`
         reads them)."""

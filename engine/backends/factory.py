@@ -12,7 +12,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from engine.backends.base import Backend
-from engine.backends.deepspeed_backend import DeepSpeedBackend
+from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
@@ -33,7 +33,6 @@ def build_backend(
     `load_universal`: the run resumes from a universal checkpoint (DeepSpeed decides at
     initialisation how its optimizer will load).
     """
-    layout = parallel_layout(config)
     model = family.build(config.model)
     ds_config = config.deepspeed_config()
     if load_universal:
@@ -44,6 +43,21 @@ def build_backend(
         from engine.backends.accelerate_backend import AccelerateBackend
 
         return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
+    backend, data_rank = _deepspeed_backend(model, family, config, ds_config, device, input_dtype)
+    if config.trainer["compile"]:
+        backend.compile()
+    return backend, data_rank
+
+
+def _deepspeed_backend(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    config: EngineConfig,
+    ds_config: dict,
+    device: torch.device,
+    input_dtype: torch.dtype,
+) -> tuple[DeepSpeedEngineBackend, int]:
+    layout = parallel_layout(config)
     if not layout.model_parallel:
         backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype)
         return backend, torch.distributed.get_rank()

@@ -461,6 +461,12 @@ _DATA = _object(
             0,
             minimum=0,
         ),
+        "pin_memory": _boolean(
+            "Batches in page-locked host memory, so their copy to the GPU runs asynchronously beside the step "
+            '(the engine copies with non_blocking=True); "auto": on when training on a GPU.',
+            AUTO,
+            auto=True,
+        ),
     },
     required=["type"],
 )
@@ -535,6 +541,12 @@ _TRAINER = _object(
             "every rank ends with an error naming the rank that failed; the job never hangs longer.",
             600.0,
             minimum=5,
+        ),
+        "compile": _boolean(
+            "Compile the model with torch.compile (inductor). DeepSpeed compiles it through its engine's "
+            "`compile()` (each stage's layers under pipeline parallelism); the accelerate backend compiles each "
+            "block before DDP or FSDP wraps it, as torchtitan does. The first steps pay the compilation.",
+            False,
         ),
         "threads_per_rank": _integer(
             'CPU threads per rank; "auto": OMP_NUM_THREADS when set, else cores / local ranks.',

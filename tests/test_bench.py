@@ -1,0 +1,119 @@
+"""The benchmark harness without running a benchmark (speed is never asserted in tests): every
+config a benchmark launches validates, the ZeRO formulas reproduce the paper's figure, the report
+renders, and a benchmark this machine cannot run is passed over without failing the others."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import bench.__main__ as bench_main
+import bench.report as report
+from bench import gpu, memory, shakespeare, throughput
+from bench.results import Goal, Panel, Result, Unavailable, compare
+from bench.trials import paired_trial, run_overrides
+from engine.config import load_config
+from engine.hardware import detect_hardware
+
+RUN = run_overrides(steps=10, log_interval=5, eval_batches=1, threads=1)
+LAUNCHED = [
+    pytest.param(throughput.CONFIG, ["data.type=synthetic"], 1, id="overhead"),
+    pytest.param(shakespeare.CONFIG, ["data.type=synthetic"], 1, id="shakespeare"),
+    *(
+        pytest.param(memory.CONFIG, [*memory.COMMON, *layout], memory.RANKS, id=f"memory-{name}")
+        for name, layout in memory.LAYOUTS.items()
+    ),
+    pytest.param(gpu.CONFIG, [*gpu.COMMON, "trainer.compile=true"], 1, id="gpu-baseline"),
+    *(pytest.param(gpu.CONFIG, [*gpu.COMMON, *sets], 1, id=f"gpu-{name}") for name, sets in gpu.VARIANTS.items()),
+    *(
+        pytest.param(
+            gpu.CONFIG,
+            [*gpu.OFFLOAD, *gpu.OFFLOADED, f"model.n_layer={n}", f"model.n_embd={e}", f"model.n_head={h}"],
+            1,
+            id=f"offload-{n}x{e}",
+        )
+        for n, e, h in gpu.OFFLOAD_SIZES
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "sets", "world_size"), LAUNCHED)
+def test_every_benchmark_config_validates(config: Path, sets: list[str], world_size: int) -> None:
+    """A typo in a benchmark's overrides would otherwise surface only on the machine that runs it
+    (the GPU benchmarks on a GPU), after minutes of other benchmarks."""
+    hardware = detect_hardware(local_world_size=world_size)
+    loaded = load_config(config, [*sets, *RUN], world_size=world_size, hardware=hardware)
+    assert loaded.trainer["max_steps"] == 10
+
+
+def test_zero_formulas_reproduce_the_papers_figure() -> None:
+    """Rajbhandari et al. 2020, figure 1: 7.5B parameters on 64 GPUs hold 120 GB per GPU without
+    ZeRO, 31.4 GB with optimizer-state partitioning, 16.6 GB adding gradients, 1.9 GB adding
+    parameters."""
+    totals = [sum(memory.zero_formula(stage, 7_500_000_000, 64).values()) / 1e9 for stage in range(4)]
+    assert [round(total, 1) for total in totals] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_parameter_count_counts_a_tied_weight_once() -> None:
+    # GPT-2 124M with its own vocabulary: the published 124,439,808 (the head shares the embedding).
+    count = memory.parameter_count(gpu.CONFIG, ["data.type=synthetic", "model.vocab_size=50257"])
+    assert count == 124_439_808
+
+
+def _result(name: str) -> Result:
+    goal = Goal("ratio", ">=", 0.97)
+    return Result(
+        name=name,
+        title="a title",
+        baseline="base",
+        method="how",
+        rows=[compare("tokens/s", 100.0, 99.0, goal), compare("ms per step", 10.0, 10.1)],
+        panels=[Panel("p", "round", "tokens/s", {"base": ([1, 2], [100.0, 101.0])}, goal_line=None)],
+        machine={"date": "2026-11-22 12:00 UTC", "cpu": "cpu", "cores": 2, "threads": 2},
+    )
+
+
+@pytest.fixture
+def report_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(report, "STORE", tmp_path / "results.json")
+    monkeypatch.setattr(report, "REPORT", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(report, "PLOT", tmp_path / "benchmarks.png")
+    monkeypatch.setattr(bench_main, "REPORT", tmp_path / "benchmarks.md")
+    return tmp_path
+
+
+def test_report_renders_rows_verdicts_and_plot(report_paths: Path) -> None:
+    history = [report.headline(_result("overhead"))]
+    report.write_report([_result("overhead")], history)
+    text = (report_paths / "benchmarks.md").read_text()
+    assert "| tokens/s | 100 | 99 | 0.990 | ratio >= 0.97 | yes |" in text
+    assert "| ms per step | 10 | 10.1 | 1.010 | — | — |" in text
+    assert "| 2026-11-22 12:00 UTC | overhead | — |  | tokens/s | 100 | 99 | 0.990 |" in text
+    assert (report_paths / "benchmarks.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_unavailable_benchmark_is_passed_over(report_paths: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    def needs_gpu(settings):
+        raise Unavailable("needs a CUDA GPU")
+
+    monkeypatch.setitem(bench_main.BENCHMARKS, "gpu", needs_gpu)
+    monkeypatch.setitem(bench_main.BENCHMARKS, "overhead", lambda settings: _result("overhead"))
+    assert bench_main.main(["overhead", "gpu"]) == 0
+    assert "gpu: not run on this machine: needs a CUDA GPU" in capsys.readouterr().out
+    stored = json.loads((report_paths / "results.json").read_text())
+    assert set(stored["results"]) == {"overhead"}
+    assert [entry["benchmark"] for entry in stored["history"]] == ["overhead"]
+
+
+def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -> None:
+    """One real paired process: the PyTorch loop, stepped between the engine's windows, starts
+    from the same weights and reads the same batches, so its losses are the engine's."""
+    overrides = ["data.type=synthetic", *run_overrides(steps=12, log_interval=4, eval_batches=2, threads=1)]
+    pair = paired_trial("torch", throughput.CONFIG, overrides, tmp_path / "paired")
+    engine, baseline = dict(pair.engine.losses), dict(pair.baseline.losses)
+    assert set(engine) == set(baseline) == {4, 8, 12}
+    assert [baseline[step] for step in (4, 8, 12)] == pytest.approx([engine[step] for step in (4, 8, 12)], rel=1e-5)
+    assert pair.baseline.eval_loss == pytest.approx(pair.engine.eval_loss, rel=1e-5)
+    assert pair.engine.seconds_per_step > 0 and pair.baseline.seconds_per_step > 0 and pair.ratio > 0
