@@ -84,7 +84,7 @@ def all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, float]:
     """Sum scalar tensors over all ranks in one collective (one host sync, not one per value)."""
     keys = sorted(values)
     stacked = torch.stack([values[key].detach().double().reshape(()) for key in keys])
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
     return dict(zip(keys, stacked.tolist(), strict=True))
 
