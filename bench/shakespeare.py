@@ -1,6 +1,7 @@
 """Benchmark 3: quality and speed on real text. nanoGPT's "baby GPT" on tinyshakespeare, characters
 (4 layers, 4 heads, width 128, context 64, batch 12, AdamW at 1e-3 with 100 linear warm-up steps
-and a cosine to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no dropout: configs/shakespeare_char.json),
+and a cosine to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no dropout, training windows at
+every offset as nanoGPT samples them: configs/shakespeare_char.json),
 trained by the engine and by the minimal PyTorch loop of benchmark 1 from the same weights on the
 same batches, step for step in one process. Goals: validation loss <= 1.89 at step 2000, and
 seconds per step within 5% of the loop.

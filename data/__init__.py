@@ -81,6 +81,7 @@ def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
         tokenizer=data_cfg["tokenizer"],
         text_field=data_cfg["text_field"],
         validation_fraction=data_cfg["validation_fraction"],
+        stride=data_cfg.get("stride", seq_len),
     )
     return DataBundle(text.train, text.validation, text.tokenizer, text.tokenizer.vocab_size, None)
 

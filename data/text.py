@@ -1,7 +1,8 @@
 """Local text corpora turned into fixed-length blocks of token ids for language modelling.
 
-Documents are tokenized, joined into one stream and cut into non-overlapping blocks of
-`seq_len` tokens, so every position of every block is a real token: no padding, no mask.
+Documents are tokenized, joined into one stream and cut into blocks of `seq_len` tokens
+(non-overlapping, or for training starting every `data.stride` tokens), so every position of
+every block is a real token: no padding, no mask.
 """
 
 from collections.abc import Sequence
@@ -22,13 +23,21 @@ VALIDATION_SPLITS = ("validation", "test")
 
 
 class PackedTokens(Dataset):
-    """Consecutive `seq_len`-token slices of one stream; the tail shorter than a block is dropped."""
+    """`seq_len`-token slices of one stream starting every `stride` tokens (by default `seq_len`:
+    consecutive blocks); a tail shorter than a slice is dropped.
 
-    def __init__(self, tokens: Tensor, seq_len: int) -> None:
+    A stride below `seq_len` makes overlapping windows. At stride 1 a sample starts at every token,
+    and shuffled sampling draws offsets as nanoGPT's random windows do, without replacement.
+    """
+
+    def __init__(self, tokens: Tensor, seq_len: int, stride: int | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
-        num_blocks = len(tokens) // seq_len
-        self.blocks = tokens[: num_blocks * seq_len].view(num_blocks, seq_len)
+        stride = seq_len if stride is None else stride
+        if stride < 1:
+            raise ValueError(f"stride must be at least 1, got {stride}")
+        # A view of the stream, not a copy: at stride 1 the windows share all but one token.
+        self.blocks = tokens.unfold(0, seq_len, stride) if len(tokens) >= seq_len else tokens.new_empty(0, seq_len)
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
@@ -52,12 +61,15 @@ def load_text_dataset(
     tokenizer: str = "char",
     text_field: str = "text",
     validation_fraction: float = 0.1,
+    stride: int | None = None,
 ) -> TextDatasets:
     """Read, tokenize and pack a local corpus; `path=None` means the embedded default corpus.
 
     A corpus without its own validation split keeps its first `1 - validation_fraction` of
     tokens for training and the rest for validation, as nanoGPT does: a contiguous tail
     rather than random blocks, so no validation text also sits inside a training block.
+    `stride` spaces the training samples (see PackedTokens); validation is always cut into
+    consecutive blocks, so each validation token is scored once.
     """
     paths = [DEFAULT_CORPUS] if path is None else _as_paths(path)
     source = ", ".join(str(p) for p in paths)
@@ -73,7 +85,7 @@ def load_text_dataset(
         train_tokens = token_stream(train_documents, text_tokenizer)
         validation_tokens = token_stream(validation_documents, text_tokenizer)
 
-    train, validation = PackedTokens(train_tokens, seq_len), PackedTokens(validation_tokens, seq_len)
+    train, validation = PackedTokens(train_tokens, seq_len, stride), PackedTokens(validation_tokens, seq_len)
     if len(train) == 0 or len(validation) == 0:
         raise ValueError(
             f"{source} is too small: {len(train_tokens)} training and {len(validation_tokens)} validation "

@@ -322,6 +322,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
         f"training {config.model['family']} {config.model['preset']} on {config.world_size} rank(s), "
         f"{config.trainer['backend']} backend, ZeRO stage {config.zero_stage}, {config.precision}, "
         f"global batch {config.document['train_batch_size']}"
+        + (", compiled (torch.compile)" if backend.compiled else "")
         + (f", resuming at step {start_step}" if start_step else "")
     )
     if prepared.reshape:

@@ -17,7 +17,7 @@ from bench.trials import paired_trial, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
 
-RUN = run_overrides(steps=10, log_interval=5, eval_batches=1, threads=1)
+RUN = run_overrides(steps=300, log_interval=25, eval_batches=1, threads=1)
 LAUNCHED = [
     pytest.param(throughput.CONFIG, ["data.type=synthetic"], 1, id="overhead"),
     pytest.param(shakespeare.CONFIG, ["data.type=synthetic"], 1, id="shakespeare"),
@@ -45,7 +45,7 @@ def test_every_benchmark_config_validates(config: Path, sets: list[str], world_s
     (the GPU benchmarks on a GPU), after minutes of other benchmarks."""
     hardware = detect_hardware(local_world_size=world_size)
     loaded = load_config(config, [*sets, *RUN], world_size=world_size, hardware=hardware)
-    assert loaded.trainer["max_steps"] == 10
+    assert loaded.trainer["max_steps"] == 300
 
 
 def test_zero_formulas_reproduce_the_papers_figure() -> None:
@@ -110,7 +110,11 @@ def test_unavailable_benchmark_is_passed_over(report_paths: Path, monkeypatch: p
 def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -> None:
     """One real paired process: the PyTorch loop, stepped between the engine's windows, starts
     from the same weights and reads the same batches, so its losses are the engine's."""
-    overrides = ["data.type=synthetic", *run_overrides(steps=12, log_interval=4, eval_batches=2, threads=1)]
+    overrides = [
+        "data.type=synthetic",
+        "scheduler.params.warmup_num_steps=2",
+        *run_overrides(steps=12, log_interval=4, eval_batches=2, threads=1),
+    ]
     pair = paired_trial("torch", throughput.CONFIG, overrides, tmp_path / "paired")
     engine, baseline = dict(pair.engine.losses), dict(pair.baseline.losses)
     assert set(engine) == set(baseline) == {4, 8, 12}

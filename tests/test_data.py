@@ -28,6 +28,9 @@ from data.synthetic import SyntheticImages, SyntheticTokens
 from data.text import PackedTokens, load_text_dataset, token_stream
 from data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, load_tokenizer
 from data.transforms import normalize, pad_and_crop
+from engine.config import load_config
+from engine.hardware import detect_hardware
+from tests.support.launch import ROOT
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -338,6 +341,25 @@ def test_packing_cuts_consecutive_non_overlapping_blocks_and_drops_the_tail():
     for i, block in enumerate(blocks(packed)):
         assert block == stream[i * 10 : (i + 1) * 10].tolist()
     assert tokenizer.decode(sum(blocks(packed), [])) == SAMPLE_TEXT[: len(packed) * 10]
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_a_stride_below_seq_len_starts_a_training_window_every_stride_tokens(stride: int):
+    stream = torch.arange(25)
+    packed = PackedTokens(stream, seq_len=10, stride=stride)
+    assert blocks(packed) == [list(range(start, start + 10)) for start in range(0, 16, stride)]
+
+
+def test_stride_applies_to_training_only_and_defaults_to_seq_len(tmp_path: Path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SAMPLE_TEXT * 3)
+    overlapping = load_text_dataset(corpus, seq_len=10, stride=1)
+    consecutive = load_text_dataset(corpus, seq_len=10)
+    assert blocks(overlapping.validation) == blocks(consecutive.validation)
+    assert blocks(overlapping.train)[::10] == blocks(consecutive.train)
+    hardware = detect_hardware(local_world_size=1)
+    config = load_config(ROOT / "configs" / "tiny_gpt.json", ["data.seq_len=32"], world_size=1, hardware=hardware)
+    assert config.data["stride"] == 32
 
 
 def test_documents_are_joined_with_eos_when_the_tokenizer_has_one(hf_tokenizer_dir):

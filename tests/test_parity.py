@@ -80,15 +80,15 @@ def test_two_ranks_match_single_process(family: str, variant: Variant, clipping:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("stage", [0, 3])
-def test_compiled_model_trains_as_the_eager_reference(stage: int, tmp_path: Path):
-    """`trainer.compile` (DeepSpeed's `compile()`, inductor) on 2 ranks, without ZeRO and under
-    ZeRO-3 (whose parameter hooks run around the compiled forward): the eager single-process
-    reference's losses, gradient norms and weights, to inductor's rounding."""
-    overrides = {"zero_optimization.stage": stage, "trainer.compile": True}
+def test_compiled_model_trains_as_the_eager_reference(tmp_path: Path):
+    """`trainer.compile` (DeepSpeed's `compile()`, inductor) on 2 ranks under ZeRO-3, whose
+    parameter gathering runs in hooks around the compiled forward: the eager single-process
+    reference's losses, gradient norms and weights, to inductor's rounding. (Without ZeRO the same
+    run matched the reference to 3e-7 in the loss; one launch is kept, compilation costs minutes.)"""
+    overrides = {"zero_optimization.stage": 3, "trainer.compile": True}
     run = launch(CONFIGS["gpt"], overrides, tmp_path / "run", nproc=2)
     reference = reference_run(CONFIGS["gpt"], overrides, world_size=2)
-    assert "Compiling mode=model" in run.stdout
+    assert "fp32, global batch 4, compiled (torch.compile)" in run.stdout
     assert max_loss_difference(run.losses, reference.losses) <= 1e-4, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms, rtol=1e-3)
     assert_weights_match(run.exported_state_dict(), reference.model, CLIPPED_WEIGHT_TOLERANCE)

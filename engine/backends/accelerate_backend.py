@@ -71,6 +71,7 @@ class AccelerateBackend(Backend):
             # compiled graph, and DDP's and FSDP2's hooks stay outside it.
             for unit in family.shard_units(model):
                 unit.compile()
+            self.compiled = True
         if self.wrapper == "ddp":
             self.model = self.accelerator.prepare_model(model)
         else:

@@ -29,6 +29,8 @@ class Backend(ABC):
     loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Set by the loop for the steps it logs: train_step then times its phases (engine/step_phases.py).
     phase_timer: PhaseTimer | None = None
+    # Whether the model runs through torch.compile (`trainer.compile`), as the library reports it.
+    compiled: bool = False
 
     @abstractmethod
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:

@@ -73,6 +73,7 @@ class DeepSpeedEngineBackend(Backend):
         pipeline engine each of this stage's layers (`PipelineModule.compile`), with the
         accelerator's default backend (inductor)."""
         self.engine.compile()
+        self.compiled = self.engine.is_compiled
 
     def watch_gradients(self) -> None:
         """Count model-state bytes at the optimizer step of every logged step (`engine.memory.rank_memory`

@@ -93,6 +93,8 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         doc["gradient_clipping"] = 1.0
     if doc["data"]["seq_len"] == AUTO:
         doc["data"]["seq_len"] = architecture.get("n_positions")
+    if doc["data"]["stride"] == AUTO:
+        doc["data"]["stride"] = doc["data"]["seq_len"]
     if doc["data"]["pin_memory"] == AUTO:
         doc["data"]["pin_memory"] = hardware.device_type == "cuda"
     trainer = doc["trainer"]

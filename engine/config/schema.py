@@ -434,6 +434,14 @@ _DATA = _object(
             "default": "text",
         },
         "seq_len": _integer('Tokens per sample; "auto": the model\'s n_positions.', AUTO, minimum=2, auto=True),
+        "stride": _integer(
+            'Text: tokens between the starts of consecutive training samples; "auto": seq_len, non-overlapping '
+            "blocks. 1 starts a sample at every token, so shuffled batches draw windows at any offset as "
+            "nanoGPT's random sampling does. Validation is always cut into non-overlapping blocks.",
+            AUTO,
+            minimum=1,
+            auto=True,
+        ),
         "validation_fraction": _number(
             "Share held out for validation when the data has no validation split.", 0.1, exclusiveMinimum=0, maximum=0.5
         ),
