@@ -43,6 +43,7 @@ COMMON = [
     "train_micro_batch_size_per_gpu=16",
     "gradient_accumulation_steps=1",
     "train_batch_size=16",
+    "scheduler.params.warmup_num_steps=10",
 ]
 MFU_GOAL = Goal("engine", ">=", 0.5)
 BASELINE = "nanoGPT-style loop"
@@ -63,6 +64,7 @@ OFFLOAD = [
     "train_micro_batch_size_per_gpu=1",
     "gradient_accumulation_steps=1",
     "train_batch_size=1",
+    "scheduler.params.warmup_num_steps=1",
 ]
 OFFLOADED = [
     "zero_optimization.stage=2",

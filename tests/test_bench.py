@@ -17,20 +17,29 @@ from bench.trials import paired_trial, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
 
-RUN = run_overrides(steps=300, log_interval=25, eval_batches=1, threads=1)
+RUN = run_overrides(steps=300, log_interval=25, eval_batches=1, threads=1)  # python -m bench's defaults
+MEMORY_RUN = run_overrides(memory.STEPS, 1, eval_batches=1, threads=1)
+OFFLOAD_RUN = run_overrides(3, 1, eval_batches=1, threads=1)
+GPU_RUN = run_overrides(60, 10, eval_batches=1, threads=1)  # the fewest steps bench/gpu.py runs
 LAUNCHED = [
-    pytest.param(throughput.CONFIG, ["data.type=synthetic"], 1, id="overhead"),
-    pytest.param(shakespeare.CONFIG, ["data.type=synthetic"], 1, id="shakespeare"),
+    pytest.param(throughput.CONFIG, ["data.type=synthetic", *RUN], 1, id="overhead"),
+    pytest.param(shakespeare.CONFIG, ["data.type=synthetic", *run_overrides(2000, 100, 145, 1)], 1, id="shakespeare"),
     *(
-        pytest.param(memory.CONFIG, [*memory.COMMON, *layout], memory.RANKS, id=f"memory-{name}")
+        pytest.param(memory.CONFIG, [*memory.COMMON, *layout, *MEMORY_RUN], memory.RANKS, id=f"memory-{name}")
         for name, layout in memory.LAYOUTS.items()
     ),
-    pytest.param(gpu.CONFIG, [*gpu.COMMON, "trainer.compile=true"], 1, id="gpu-baseline"),
-    *(pytest.param(gpu.CONFIG, [*gpu.COMMON, *sets], 1, id=f"gpu-{name}") for name, sets in gpu.VARIANTS.items()),
+    *(pytest.param(gpu.CONFIG, [*gpu.COMMON, *sets, *RUN], 1, id=f"gpu-{name}") for name, sets in gpu.VARIANTS.items()),
     *(
         pytest.param(
             gpu.CONFIG,
-            [*gpu.OFFLOAD, *gpu.OFFLOADED, f"model.n_layer={n}", f"model.n_embd={e}", f"model.n_head={h}"],
+            [
+                *gpu.OFFLOAD,
+                *gpu.OFFLOADED,
+                f"model.n_layer={n}",
+                f"model.n_embd={e}",
+                f"model.n_head={h}",
+                *OFFLOAD_RUN,
+            ],
             1,
             id=f"offload-{n}x{e}",
         )
@@ -41,11 +50,12 @@ LAUNCHED = [
 
 @pytest.mark.parametrize(("config", "sets", "world_size"), LAUNCHED)
 def test_every_benchmark_config_validates(config: Path, sets: list[str], world_size: int) -> None:
-    """A typo in a benchmark's overrides would otherwise surface only on the machine that runs it
-    (the GPU benchmarks on a GPU), after minutes of other benchmarks."""
+    """Each benchmark's config with the overrides its runs get: a typo or a schedule longer than
+    the run would otherwise surface only on the machine that runs it (the GPU benchmarks on a GPU),
+    after minutes of other benchmarks."""
     hardware = detect_hardware(local_world_size=world_size)
-    loaded = load_config(config, [*sets, *RUN], world_size=world_size, hardware=hardware)
-    assert loaded.trainer["max_steps"] == 300
+    loaded = load_config(config, sets, world_size=world_size, hardware=hardware)
+    assert loaded.trainer["output_dir"]
 
 
 def test_zero_formulas_reproduce_the_papers_figure() -> None:
