@@ -120,7 +120,7 @@ def speed(settings: Settings) -> Result:
         baseline=BASELINE,
         method=(
             f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}; {settings.rounds} round(s) per variant, each a "
-            f"fresh process in which the engine and the loop alternate step by step for {steps} steps "
+            f"fresh process in which the engine and the loop alternate window by window for {steps} steps "
             "(bench/paired.py), speed from the median 10-step window after the first (which holds compilation). "
             "MFU = 6N + attention FLOPs per token (engine/flops.py) x tokens/s / the GPU's dense bf16 peak. "
             "Variants, x axis of the plot: " + "; ".join(f"{i} {name}" for i, name in enumerate(VARIANTS)) + "."

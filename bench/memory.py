@@ -60,6 +60,21 @@ def parameter_count(config_path: Path, sets: list[str]) -> int:
     return sum(p.numel() for p in unique_parameters([model]))
 
 
+def method(psi: int) -> str:
+    return (
+        f"{CONFIG.relative_to(ROOT)} in bf16 on synthetic tokens, {psi:,} parameters, {RANKS} ranks under the "
+        f"`deepspeed` launcher, {STEPS} steps. Measured: bytes of distinct storages each rank holds at the "
+        "optimizer step, averaged over the ranks. Formula: 2 Psi parameters, 2 Psi gradients and 12 Psi optimizer "
+        "states, divided by the number of ranks from stage 3, 2 and 1 on. Offloaded bytes are counted where they "
+        "live (host memory on a GPU machine). Where DeepSpeed differs from the formula: ZeRO-1 keeps only its "
+        "reduced partition of the gradients at the step, as stage 2 does; under offload each rank also holds the "
+        "fp32 gradient of its host master partition (4 Psi / N) beside the bf16 one; stage 2's and 3's "
+        "partitions are padded, and stage 3 keeps parameters below stage3_param_persistence_threshold whole. "
+        "`python -m engine plan` predicts every one of these figures to the byte (engine/plan/states.py). "
+        "Layouts, x axis of the plot: " + "; ".join(f"{i} {name}" for i, name in enumerate(LAYOUTS)) + "."
+    )
+
+
 def run(settings: Settings) -> Result:
     psi = parameter_count(CONFIG, COMMON)
     overrides = run_overrides(STEPS, 1, eval_batches=1, threads=max(1, settings.threads // RANKS))
@@ -82,15 +97,7 @@ def run(settings: Settings) -> Result:
         name="memory",
         title="Model-state bytes per rank against the ZeRO formulas",
         baseline="ZeRO formula",
-        method=(
-            f"{CONFIG.relative_to(ROOT)} in bf16 on synthetic tokens, {psi:,} parameters, {RANKS} ranks under the "
-            f"`deepspeed` launcher, {STEPS} steps. Measured: bytes of distinct storages each rank holds at the "
-            "optimizer step, averaged over the ranks. Formula: 2 Psi parameters, 2 Psi gradients and 12 Psi optimizer "
-            "states, divided by the number of ranks from stage 3, 2 and 1 on. Offloaded bytes are counted where they "
-            "live (host memory on a GPU machine). Layouts, x axis of the plot: "
-            + "; ".join(f"{i} {name}" for i, name in enumerate(LAYOUTS))
-            + "."
-        ),
+        method=method(psi),
         rows=rows,
         panels=[
             Panel(

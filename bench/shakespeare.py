@@ -62,7 +62,7 @@ def run(settings: Settings) -> Result:
         method=(
             f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
             f"{settings.threads} threads, {settings.quality_rounds} round(s), each a fresh process in which the engine "
-            "and the loop alternate step by step (bench/paired.py), the engine logging every "
+            "and the loop alternate window by window (bench/paired.py), the engine logging every "
             f"{log_interval} steps; speed is the median {log_interval}-step window after the first. Validation loss "
             f"after the last step over {split.batches} batches of {split.micro_batch} non-overlapping "
             f"{split.seq_len}-character blocks: {split.batches * split.micro_batch} of the {split.blocks} blocks of "
