@@ -393,6 +393,7 @@ def test_overrides_are_typed_by_the_schema(assignment: str, path: tuple, value):
         ("trainer.max_step=5", "trainer.max_step: unknown key 'max_step' in --set (did you mean \"max_steps\"?)"),
         ("zero_optimisation.stage=1", "zero_optimisation.stage: unknown key 'zero_optimisation'"),
         ("trainer.max_steps=many", "trainer.max_steps: --set value 'many': expected integer"),
+        ("data.pin_memory=sometimes", "data.pin_memory: --set value 'sometimes': expected boolean or \"auto\""),
         ("trainer.max_steps", "--set trainer.max_steps: expected dotted.path=value"),
     ],
 )

@@ -49,7 +49,8 @@ def parse_value(text: str, schema: dict) -> Any:
                 pass
     if "string" in kinds:
         return text
-    raise ValueError(f"expected {' or '.join(kinds)}")
+    names = [f'"{kind[len("const:") :]}"' if kind.startswith("const:") else kind for kind in kinds]
+    raise ValueError(f"expected {' or '.join(names)}")
 
 
 def apply_overrides(document: dict, assignments: Iterable[str]) -> list[ConfigIssue]:
