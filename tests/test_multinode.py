@@ -174,7 +174,7 @@ def test_pdsh_route_trains_like_one_process_and_carries_the_environment(sshd: Ss
     output_dir = tmp_path / "run"
     command = ["./launch.sh", "--hostfile", str(path), "--ssh-port", str(sshd.port), "--master-addr", "127.0.0.1"]
     command += ["--master-port", str(free_port()), GPT, "--set", "zero_optimization.stage=2"]
-    command += ["--set", f"trainer.output_dir={output_dir}"]
+    command += ["--set", f"trainer.output_dir={output_dir}", "--set", "trainer.plots=false"]
     env = {**os.environ, "PDSH_SSH_ARGS_APPEND": sshd.client_options, "OMP_NUM_THREADS": "3", "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

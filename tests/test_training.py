@@ -33,9 +33,9 @@ SCHEDULED = {
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """Ten steps of ZeRO-3 with a warm-up/cosine schedule, checkpointed at step 5 and 10, with
-    TensorBoard and CSV monitors on."""
+    TensorBoard and CSV monitors on, and the plots drawn."""
     output_dir = tmp_path_factory.mktemp("uninterrupted")
-    launch(GPT, {**SCHEDULED, **MONITORS}, output_dir)
+    launch(GPT, {**SCHEDULED, **MONITORS, "trainer.plots": True}, output_dir)
     return output_dir
 
 
@@ -158,6 +158,8 @@ def test_launch_script_runs_two_cpu_processes(launcher: str, command: str, tmp_p
             "configs/tiny_resnet.json",
             "--set",
             "trainer.max_steps=2",
+            "--set",
+            "trainer.plots=false",
             "--set",
             f"trainer.output_dir={tmp_path}",
         ],

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Generous: the first launch on a fresh machine builds DeepSpeed's C++ ops (shm comm ~80 s,
 # cpu_adam ~90 s) before it trains.
 LAUNCH_TIMEOUT_S = 900
+# Drawing the plots costs a launch about 6 s on the 2-core CI machine (matplotlib, seven PNGs while
+# the other ranks wait); the test of the plots asks for them, the other launches do without.
+TEST_DEFAULTS = {"trainer.plots": False}
 
 
 def free_port() -> int:
@@ -74,7 +77,7 @@ def run_launcher(
     launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
     """Run `launcher engine/main.py ...` to the end, whatever its exit code."""
-    sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
+    sets = _sets({**overrides, "trainer.output_dir": output_dir})
     command = [*launcher, "engine/main.py", "--deepspeed_config", config, *sets]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
@@ -91,7 +94,7 @@ def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path,
 
 def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> subprocess.CompletedProcess:
     """One process, no launcher: `python engine/main.py ...`."""
-    sets = [f"--set={key}={_text(value)}" for key, value in {**overrides, "trainer.output_dir": output_dir}.items()]
+    sets = _sets({**overrides, "trainer.output_dir": output_dir})
     command = [sys.executable, "engine/main.py", "--deepspeed_config", config, *sets]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
@@ -99,6 +102,10 @@ def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> s
 def read_run(output_dir: Path, stdout: str = "") -> Run:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return Run(output_dir, [json.loads(line) for line in lines], stdout)
+
+
+def _sets(overrides: dict[str, object]) -> list[str]:
+    return [f"--set={key}={_text(value)}" for key, value in {**TEST_DEFAULTS, **overrides}.items()]
 
 
 def _text(value: object) -> str:
@@ -127,7 +134,9 @@ def launch_nodes(
     """One `launch.sh` for each of two simulated nodes on loopback (node 0 at 127.0.0.1 hosts the
     rendezvous), started together, as operators start the nodes of a job; returns when every node has ended."""
     port = free_port()
-    sets = [item for key, value in overrides.items() for item in ("--set", f"{key}={_text(value)}")]
+    sets = [
+        item for key, value in {**TEST_DEFAULTS, **overrides}.items() for item in ("--set", f"{key}={_text(value)}")
+    ]
     processes = [
         subprocess.Popen(
             ["./launch.sh", *launcher_options, "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
