@@ -138,9 +138,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file")
     recipe = json.loads(args.config.read_text())
-    text = Path(recipe["data"]["path"]).read_text()  # relative to the working directory, as the engine reads it
+    corpus = Path(recipe["data"]["path"] or "")  # relative to the working directory, as the engine reads it
+    if not corpus.is_file():
+        parser.error(
+            f"{args.config}: data.path {recipe['data']['path']!r} is not a file; nanoGPT trains on a text file"
+        )
+    torch.set_num_threads(args.threads)
+    text = corpus.read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(train(recipe, text, args.steps, args.seed, args.blocks), indent=1) + "\n")
 
