@@ -10,7 +10,7 @@ random offsets). If nanoGPT itself does not reach the goal on the whole validati
 goal's figure came from its noisier estimate, not from a better recipe.
 
 The recipe's numbers (sizes, batch, optimizer, warm-up, floor of the cosine, clipping, split) are
-read from the engine's config, so the two cannot drift apart.
+read from the engine's config as the engine resolves it, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.config import ConfigError, load_config
+from engine.hardware import detect_hardware
 
 
 class LayerNorm(nn.Module):
@@ -138,9 +141,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    if not args.config.is_file():
-        parser.error(f"--config {args.config}: no such file")
-    recipe = json.loads(args.config.read_text())
+    try:
+        config = load_config(args.config, [], world_size=1, hardware=detect_hardware(local_world_size=1))
+    except ConfigError as error:
+        parser.exit(2, f"{error}\n")
+    recipe = config.document  # the engine's defaults filled in, as the engine trains it
     corpus = Path(recipe["data"]["path"] or "")  # relative to the working directory, as the engine reads it
     if not corpus.is_file():
         parser.error(
