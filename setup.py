@@ -17,7 +17,7 @@ setup(
     install_requires=[
         "torch>=2.1",
         "deepspeed>=0.19,<0.20",
-        "transformers>=5.0",
+        "transformers>=5.23",  # activation_checkpointing_enable (models/gpt.py)
         "datasets>=3.0",
         "accelerate>=1.0",
         "jsonschema>=4.18",

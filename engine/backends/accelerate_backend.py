@@ -111,7 +111,8 @@ class AccelerateBackend(Backend):
             raise RuntimeError(f"the model is a {type(self.model).__name__}, not the {self.wrapper} asked for")
 
     def describe(self) -> str:
-        counts = torch.tensor([local_parameter_elements(self.model)], dtype=torch.long)
+        # On the accelerator's device: NCCL gathers device tensors only.
+        counts = torch.tensor([local_parameter_elements(self.model)], dtype=torch.long, device=self.accelerator.device)
         gathered = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, counts)
         total = sum(p.numel() for p in self.model.parameters())  # a DTensor counts its global size
