@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
             continue
         print(result.summary(), flush=True)
+        if result.failures:
+            failed.append(name)
         results[name] = result
         history.append(headline(result))
         store_results(results, history)

@@ -19,6 +19,8 @@ Both need a CUDA device and report themselves unavailable without one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import psutil
 import torch
 
@@ -26,7 +28,7 @@ from bench.machine import machine_facts
 from bench.memory import parameter_count
 from bench.results import Goal, Panel, Result, Row, Unavailable, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS, Side, launch_engine, median, rounds, run_overrides
+from bench.trials import ROOT, RUNS, Pair, Side, launch_engine, median, rounds, run_overrides
 from engine.config import load_config
 from engine.flops import device_peak_flops, mfu
 from engine.hardware import detect_hardware
@@ -82,17 +84,44 @@ def speed(settings: Settings) -> Result:
     _require_gpu()
     steps = max(settings.steps, 60)  # compilation takes the first steps, which the first window holds
     overrides = run_overrides(steps, 10, eval_batches=1, threads=settings.threads)
+    measured: dict[str, list[Pair]] = {}
+    failures: dict[str, str] = {}
+    for name, changes in VARIANTS.items():
+        label = name.replace(", ", "-").replace(" ", "-")
+        try:
+            sets = [*COMMON, *changes, *overrides]
+            measured[name] = rounds("torch", CONFIG, sets, settings.rounds, RUNS / "gpu", label)
+        except RuntimeError as error:
+            # One variant's failure (a kernel, a compile error) should not cost the others' figures.
+            failures[name] = str(error)
+            print(f"  {name}: failed: {error}", flush=True)
+    if not measured:
+        raise RuntimeError("no variant trained: " + "; ".join(f"{name}: {why}" for name, why in failures.items()))
     config = load_config(CONFIG, [*COMMON, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
-    flops, peak = model_flops_per_item(config), device_peak_flops(torch.cuda.get_device_name(), "bf16")
+    peak = device_peak_flops(torch.cuda.get_device_name(), "bf16")
+    return speed_result(measured, failures, model_flops_per_item(config), peak, steps, machine_facts(settings.threads))
+
+
+def speed_result(
+    measured: dict[str, list[Pair]],
+    failures: dict[str, str],
+    flops_per_token: int,
+    peak: float | None,
+    steps: int,
+    machine: dict[str, Any],
+) -> Result:
+    """Rows and plot of the variants' paired trials (`measured`, by variant name); `failures` names
+    the variants that did not train, and why."""
 
     def mfu_of(side: Side) -> float:
-        return float("nan") if peak is None else mfu(flops, side.tokens_per_s, peak, world_size=1)
+        return float("nan") if peak is None else mfu(flops_per_token, side.tokens_per_s, peak, world_size=1)
 
     rows: list[Row] = []
     series: dict[str, tuple[list[float], list[float]]] = {}
-    for number, (name, changes) in enumerate(VARIANTS.items()):
-        label = name.replace(", ", "-").replace(" ", "-")
-        pairs = rounds("torch", CONFIG, [*COMMON, *changes, *overrides], settings.rounds, RUNS / "gpu", label)
+    for number, name in enumerate(VARIANTS):
+        pairs = measured.get(name)
+        if pairs is None:
+            continue
         rows.append(
             compare(
                 f"{name}: tokens/s",
@@ -114,12 +143,13 @@ def speed(settings: Settings) -> Result:
             xs, ys = series.setdefault(BASELINE if side == "baseline" else side, ([], []))
             xs.append(number)
             ys.append(median([getattr(p, side).tokens_per_s for p in pairs]))
+    trials = len(next(iter(measured.values())))
     return Result(
         name="gpu",
         title="GPT-2 124M on one GPU: tokens/s and MFU",
         baseline=BASELINE,
         method=(
-            f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}; {settings.rounds} round(s) per variant, each a "
+            f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}; {trials} round(s) per variant, each a "
             f"fresh process in which the engine and the loop alternate window by window for {steps} steps "
             "(bench/paired.py), speed from the median 10-step window after the first (which holds compilation). "
             "MFU = 6N + attention FLOPs per token (engine/flops.py) x tokens/s / the GPU's dense bf16 peak. "
@@ -127,7 +157,8 @@ def speed(settings: Settings) -> Result:
         ),
         rows=rows,
         panels=[Panel(title="gpu: tokens/s by variant", xlabel="variant", ylabel="tokens/s", series=series)],
-        machine=machine_facts(settings.threads),
+        machine=machine,
+        failures=failures,
     )
 
 

@@ -119,6 +119,10 @@ def _section(result: Result) -> list[str]:
         "",
         result.method,
         "",
+        *(
+            f"**Failed, without figures:** {part}.\n\n```\n{why.strip()}\n```\n"
+            for part, why in result.failures.items()
+        ),
     ]
 
 

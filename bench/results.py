@@ -75,6 +75,7 @@ class Result:
     rows: list[Row]
     panels: list[Panel]
     machine: dict[str, Any] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # parts that ran and failed: part -> error
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,4 +103,5 @@ class Result:
                 verdict = {True: "met", False: "NOT met", None: f"not judged: {row.note}"}[row.met]
                 line += f", goal {row.goal}: {verdict}"
             lines.append(line)
+        lines.extend(f"  {part}: FAILED, no figures: {error.splitlines()[-1]}" for part, error in self.failures.items())
         return "\n".join(lines)

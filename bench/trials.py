@@ -60,6 +60,12 @@ def run_overrides(steps: int, log_interval: int, eval_batches: int, threads: int
 def paired_trial(kind: str, config: Path, overrides: list[str], run_dir: Path) -> Pair:
     """The engine and the `kind` baseline ("torch" or "deepspeed"), step for step in one process."""
     _run([sys.executable, "-m", "bench.paired", kind, "--config", str(config)], overrides, run_dir)
+    return read_pair(run_dir)
+
+
+def read_pair(run_dir: Path) -> Pair:
+    """A paired trial's two sides from what it wrote to `run_dir`: kept apart from running it so that
+    trials measured on another machine (a lent GPU) can be read here."""
     paired = json.loads((run_dir / PAIRED).read_text())
     records = read_records(run_dir)
     doc = json.loads((run_dir / "resolved_config.json").read_text())

@@ -14,7 +14,7 @@ import bench.__main__ as bench_main
 import bench.report as report
 from bench import gpu, memory, nanogpt, shakespeare, throughput
 from bench.results import Goal, Panel, Result, Unavailable, compare
-from bench.trials import paired_trial, run_overrides
+from bench.trials import Pair, Side, paired_trial, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
 
@@ -116,6 +116,25 @@ def test_unavailable_benchmark_is_passed_over(report_paths: Path, monkeypatch: p
     stored = json.loads((report_paths / "results.json").read_text())
     assert set(stored["results"]) == {"overhead"}
     assert [entry["benchmark"] for entry in stored["history"]] == ["overhead"]
+
+
+def test_failed_gpu_variant_keeps_the_others_figures_and_fails_the_run(
+    report_paths: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A variant that does not train (a kernel or compile error on the lent GPU) is reported with
+    its error; the variants that trained keep their rows, and the run exits 1."""
+    pair = Pair(engine=Side(0.05, 327_680.0, [], None), baseline=Side(0.04, 409_600.0, [], None), ratio=0.8)
+    failed = "compiled, SDPA, activation checkpointing"
+    error = "python -m bench.paired torch ... exited 1; log trial.log:\nrank 0 failed: AttributeError: no such method"
+    result = gpu.speed_result({"eager, SDPA": [pair]}, {failed: error}, 10**9, 10**15, steps=60, machine={})
+    assert [row.quantity for row in result.rows] == ["eager, SDPA: tokens/s", "eager, SDPA: MFU"]
+    assert result.rows[1].engine == pytest.approx(327_680.0 * 10**9 / 10**15)
+    monkeypatch.setitem(bench_main.BENCHMARKS, "gpu", lambda settings: result)
+    assert bench_main.main(["gpu"]) == 1
+    assert f"{failed}: FAILED, no figures: rank 0 failed: AttributeError: no such method" in capsys.readouterr().out
+    text = (report_paths / "benchmarks.md").read_text()
+    assert f"**Failed, without figures:** {failed}." in text and "rank 0 failed: AttributeError" in text
+    assert set(json.loads((report_paths / "results.json").read_text())["results"]) == {"gpu"}
 
 
 def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -> None:
