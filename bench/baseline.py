@@ -40,9 +40,9 @@ def torch_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFamily
     `torch.compile` when the config asks the engine to compile."""
     doc = config.document
     device = next(model.parameters()).device
-    if config.precision not in ("fp32", "bf16"):
+    if config.compute_precision not in ("fp32", "bf16"):
         raise SystemExit(f"the torch baseline trains in fp32 or bf16 (autocast), not {config.precision}")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.compute_precision == "bf16")
     optimizer = build_optimizer(doc["optimizer"], model.parameters(), fused=device.type == "cuda")
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, clipping = doc["gradient_accumulation_steps"], doc["gradient_clipping"]

@@ -54,6 +54,7 @@ VARIANTS = {
     "compiled, SDPA": ["trainer.compile=true"],
     "compiled, eager attention": ["trainer.compile=true", "model.attn_implementation=eager"],
     "compiled, SDPA, activation checkpointing": ["trainer.compile=true", "model.activation_checkpointing=true"],
+    "compiled, SDPA, torch_autocast": ["trainer.compile=true", "bf16.enabled=false", "torch_autocast.enabled=true"],
 }
 # (layers, width, heads): GPT-2 XL, then GPT-3's 2.7B, 6.7B, 13B and 20B-class shapes.
 OFFLOAD_SIZES = [(48, 1600, 25), (32, 2560, 32), (32, 4096, 32), (40, 5120, 40), (44, 6144, 48)]

@@ -79,7 +79,7 @@ def _validate(args: argparse.Namespace) -> int:
         sharding = f"DeepSpeed ZeRO-{config.zero_stage}"
     print(
         f"{args.config}: valid for {args.world_size} rank(s): {config.model['family']} {config.model['preset']}, "
-        f"{sharding}, {config.precision}, data-parallel {config.dp_size}, "
+        f"{sharding}, {config.precision_label}, data-parallel {config.dp_size}, "
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
     )

@@ -320,7 +320,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
         logger.write(layout.describe(backend.stage_layers() if isinstance(backend, PipelineBackend) else None))
     logger.write(
         f"training {config.model['family']} {config.model['preset']} on {config.world_size} rank(s), "
-        f"{config.trainer['backend']} backend, ZeRO stage {config.zero_stage}, {config.precision}, "
+        f"{config.trainer['backend']} backend, ZeRO stage {config.zero_stage}, {config.precision_label}, "
         f"global batch {config.document['train_batch_size']}"
         + (", compiled (torch.compile)" if backend.compiled else "")
         + (f", resuming at step {start_step}" if start_step else "")

@@ -79,7 +79,7 @@ def test_shipped_config_validates(path: Path, world_size: int, hardware: Hardwar
     assert doc["train_batch_size"] == (
         doc["train_micro_batch_size_per_gpu"] * doc["gradient_accumulation_steps"] * config.dp_size
     )
-    assert "auto" not in json.dumps({k: v for k, v in doc.items() if k != "model"})
+    assert '"auto"' not in json.dumps({k: v for k, v in doc.items() if k != "model"})
 
 
 def test_minimal_config_gets_explicit_defaults():
@@ -163,6 +163,26 @@ def test_every_schema_error_is_reported_at_once():
             with_changes(fp16={"enabled": True}, zero_optimization={"stage": 1}),
             1,
             "fp16.enabled: this CPU does not support fp16",
+        ),
+        (
+            with_changes(torch_autocast={"enabled": True}, bf16={"enabled": True}),
+            1,
+            "torch_autocast.enabled: torch_autocast and bf16.enabled are both on; choose one",
+        ),
+        (
+            with_changes(torch_autocast={"enabled": True}, zero_optimization={"stage": 2}),
+            1,
+            "torch_autocast.enabled: torch_autocast is trained at ZeRO stage 0 only",
+        ),
+        (
+            with_changes(torch_autocast={"enabled": True}, parallel={"pipeline_parallel_size": 2}),
+            2,
+            "torch_autocast.enabled: DeepSpeed's pipeline engine does not autocast its stages",
+        ),
+        (
+            with_changes(torch_autocast={"enabled": True}, trainer={"backend": "accelerate"}),
+            1,
+            "torch_autocast.enabled: torch_autocast is a DeepSpeed section; on the accelerate backend bf16.enabled",
         ),
         (
             with_changes(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
@@ -355,6 +375,17 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_gpu["bf16"]["enabled"] is True
     assert on_gpu["optimizer"]["params"]["torch_adam"] is False
     assert on_gpu["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
+
+
+def test_torch_autocast_turns_auto_precisions_off_and_counts_bf16_products():
+    """Autocast is the run's mixed precision: bf16/fp16 "auto" stay off, the weights (and the
+    planner's model states) are fp32, while MFU's peak and activations are bf16's."""
+    document = with_changes(bf16={"enabled": "auto"}, fp16={"enabled": "auto"}, torch_autocast={"enabled": True})
+    config = resolve(check_document(document, 8, GPU), 8, GPU)
+    assert config.document["bf16"]["enabled"] is False and config.document["fp16"]["enabled"] is False
+    assert (config.precision, config.compute_precision) == ("fp32", "bf16")
+    assert config.document["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
+    assert config.deepspeed_config()["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
 
 
 def test_deepspeed_config_holds_only_deepspeed_keys():

@@ -60,9 +60,24 @@ class EngineConfig:
 
     @property
     def precision(self) -> str:
+        """The weights' dtype in training: fp32 under torch_autocast, whose products alone are bf16."""
         if self.document["bf16"]["enabled"]:
             return "bf16"
         return "fp16" if self.document["fp16"]["enabled"] else "fp32"
+
+    @property
+    def autocast(self) -> bool:
+        return self.document["torch_autocast"]["enabled"]
+
+    @property
+    def precision_label(self) -> str:
+        """The run's precision as its logs name it."""
+        return "bf16 torch_autocast (fp32 weights)" if self.autocast else self.precision
+
+    @property
+    def compute_precision(self) -> str:
+        """The dtype of the matrix products: what the device's peak FLOP/s and activations are counted in."""
+        return "bf16" if self.autocast else self.precision
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed keys only, as `deepspeed.initialize(config=...)` takes them."""
@@ -113,7 +128,7 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         )
     if trainer["peak_tflops"] == AUTO:
         config = EngineConfig(doc, world_size, source)
-        peak = device_peak_flops(hardware.name, config.precision)
+        peak = device_peak_flops(hardware.name, config.compute_precision)
         trainer["peak_tflops"] = None if peak is None else peak / 1e12
     return EngineConfig(doc, world_size, source)
 
@@ -134,11 +149,12 @@ def _resolve_batch(doc: dict, world_size: int) -> None:
 
 
 def _resolve_precision(doc: dict, hardware: Hardware) -> None:
+    autocast = doc["torch_autocast"]["enabled"]  # the mixed precision asked for: "auto" picks no other
     if doc["bf16"]["enabled"] == AUTO:
-        doc["bf16"]["enabled"] = hardware.device_type == "cuda" and hardware.bf16_supported
+        doc["bf16"]["enabled"] = not autocast and hardware.device_type == "cuda" and hardware.bf16_supported
     if doc["fp16"]["enabled"] == AUTO:
         doc["fp16"]["enabled"] = (
-            hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
+            not autocast and hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
         )
     if doc["data_types"]["buffer_dtype"] == AUTO:
         mixed = "bf16" if doc["bf16"]["enabled"] else "fp16" if doc["fp16"]["enabled"] else None

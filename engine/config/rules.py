@@ -128,12 +128,38 @@ def check_precision(document: dict, world_size: int, hardware: Hardware | None) 
     fp16, bf16 = document["fp16"]["enabled"], document["bf16"]["enabled"]
     if fp16 is True and bf16 is True:
         yield ConfigIssue("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
+    if document["torch_autocast"]["enabled"]:
+        yield from _autocast_issues(document, hardware)
     if hardware is None:
         return
     if fp16 is True and not hardware.fp16_supported:
         yield ConfigIssue("fp16.enabled", f"this {hardware.name} does not support fp16; use bf16 or fp32")
     if bf16 is True and not hardware.bf16_supported:
         yield ConfigIssue("bf16.enabled", f"this {hardware.name} does not support bf16; use fp16 or fp32")
+
+
+def _autocast_issues(document: dict, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """torch_autocast where the engine trains it: DeepSpeed's whole-model engine at ZeRO stage 0. The
+    pipeline engine calls its stages outside `DeepSpeedEngine.forward`, where DeepSpeed autocasts;
+    ZeRO 1-3 under autocast are not yet compared with the reference."""
+    path = "torch_autocast.enabled"
+    for other in ("bf16", "fp16"):
+        if document[other]["enabled"] is True:
+            yield ConfigIssue(
+                path,
+                f"torch_autocast and {other}.enabled are both on; choose one: autocast keeps fp32 weights, "
+                f"{other} trains {other} weights with an fp32 master",
+            )
+    if effective_backend(document["trainer"]["backend"]) != "deepspeed":
+        yield ConfigIssue(
+            path, "torch_autocast is a DeepSpeed section; on the accelerate backend bf16.enabled autocasts"
+        )
+    if document["parallel"]["pipeline_parallel_size"] > 1:
+        yield ConfigIssue(path, "DeepSpeed's pipeline engine does not autocast its stages; use bf16.enabled")
+    if document["zero_optimization"]["stage"] != 0:
+        yield ConfigIssue(path, "torch_autocast is trained at ZeRO stage 0 only; set zero_optimization.stage to 0")
+    if hardware is not None and not hardware.bf16_supported:
+        yield ConfigIssue(path, f"this {hardware.name} does not support bf16; use fp16 or fp32")
 
 
 def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:

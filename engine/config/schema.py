@@ -205,6 +205,19 @@ _BF16 = _object(
     default={},
 )
 
+_TORCH_AUTOCAST = _object(
+    "DeepSpeed's torch.autocast route to bf16: fp32 weights, gradients and Adam states (the optimizer steps the "
+    "weights themselves, no master copy), matrix products in bf16, as torch's autocast does. The same 16 bytes of "
+    "model state per parameter as bf16 with an fp32 master, and a sixth of its host operations per optimizer step "
+    "(docs/design.md). "
+    'Instead of bf16/fp16 ("auto" there turns off); ZeRO stage 0 and the whole-model engine only.',
+    {
+        "enabled": _boolean("Train under torch.autocast.", False),
+        "dtype": _enum(["bfloat16"], "The autocast dtype (fp16 has DeepSpeed's loss-scaled fp16 route).", "bfloat16"),
+    },
+    default={},
+)
+
 _DATA_TYPES = _object(
     "DeepSpeed's dtype controls for the module cast under fp16/bf16.",
     {
@@ -336,6 +349,7 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "scheduler": _SCHEDULER,
     "fp16": _FP16,
     "bf16": _BF16,
+    "torch_autocast": _TORCH_AUTOCAST,
     "data_types": _DATA_TYPES,
     "zero_optimization": _ZERO,
     "zero_allow_untested_optimizer": _boolean("Let ZeRO run optimizers DeepSpeed has not tested (SGD).", False),

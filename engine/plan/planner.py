@@ -135,7 +135,7 @@ def plan_run(config: EngineConfig) -> Plan:
     zero, optimizer = zero_settings(config), optimizer_kind(config)
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
-    element = 4 if config.precision == "fp32" else 2
+    element = 4 if config.compute_precision == "fp32" else 2
     arch = family.architecture(config.model) | {"vocab_size": config.model.get("vocab_size")}
     checkpointing = bool(config.model.get("activation_checkpointing", False)) or (
         layout.pipeline > 1 and config.parallel["pipeline_activation_checkpoint_interval"] > 0

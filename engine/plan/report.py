@@ -14,7 +14,7 @@ def table(plan: Plan) -> str:
     config = plan.config
     lines = [
         f"{config.model['family']} {config.model['preset']} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
-        f"{config.precision}, {config.trainer['backend']} backend; optimizer states per rank: {plan.adam_share}",
+        f"{config.precision_label}, {config.trainer['backend']} backend; optimizer states per rank: {plan.adam_share}",
         f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
         f"{'offloaded':>12} {'activations*':>13} {'device':>12} {'comm/step*':>12}",
     ]
@@ -58,7 +58,7 @@ def explain(plan: Plan) -> str:
     layout_line = (
         f"{config.world_size} rank(s): {config.parallel['pipeline_parallel_size']} pipeline stage(s) x "
         f"{config.dp_size} data-parallel replica(s) x {config.parallel['tensor_parallel_size']} tensor shard(s), "
-        f"ZeRO-{config.zero_stage}, {config.precision}"
+        f"ZeRO-{config.zero_stage}, {config.precision_label}"
     )
     lines = [layout_line]
     tensor, data = config.parallel["tensor_parallel_size"], config.dp_size

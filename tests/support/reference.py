@@ -69,7 +69,9 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
         total = 0.0
         for _ in range(accumulation):
             for loader in loaders:
-                loss = family.compute_loss(model, next(loader))
+                # DeepSpeed's torch_autocast: the forward (loss included) under autocast, weights in fp32.
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast):
+                    loss = family.compute_loss(model, next(loader))
                 (loss / (accumulation * dp)).backward()
                 total += loss.item()
         grad_norms.append(
