@@ -12,7 +12,7 @@ import pytest
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import gpu, memory, nanogpt, shakespeare, throughput
+from bench import gpu, memory, nanogpt, optimizer_step, shakespeare, throughput
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.trials import Pair, Side, paired_trial, run_overrides
 from engine.config import load_config
@@ -30,6 +30,15 @@ LAUNCHED = [
         for name, layout in memory.LAYOUTS.items()
     ),
     *(pytest.param(gpu.CONFIG, [*gpu.COMMON, *sets, *RUN], 1, id=f"gpu-{name}") for name, sets in gpu.VARIANTS.items()),
+    *(
+        pytest.param(
+            optimizer_step.CONFIG,
+            [*optimizer_step.COMMON, *sets, *run_overrides(optimizer_step.STEPS, optimizer_step.LOG_INTERVAL, 1, 1)],
+            1,
+            id=f"optimizer-{route}",
+        )
+        for route, sets in optimizer_step.ROUTES.items()
+    ),
     *(
         pytest.param(
             gpu.CONFIG,
