@@ -2,11 +2,12 @@
 trains on the GPU with ZeRO-Offload.
 
 `gpu`: tokens/s and MFU of the engine with and without `trainer.compile`, with SDPA and eager
-attention, with activation checkpointing, each beside nanoGPT's recipe with the same settings as
-the baseline (the minimal PyTorch loop of benchmark 1 with bf16 autocast and fused AdamW,
-compiled when the engine compiles). Goal: MFU >= 50% on an H100/H200-class GPU. The vocabulary is padded to 50304 as
-nanoGPT pads it (a multiple of 64 keeps the head's matmul on fast tiles); the data are synthetic
-tokens, which cost the same to train on as text.
+attention, with activation checkpointing, and under `torch_autocast` instead of bf16 weights,
+each beside nanoGPT's recipe with the same settings as the baseline (the minimal PyTorch loop of
+benchmark 1 with bf16 autocast and fused AdamW, compiled when the engine compiles). Goal: MFU >=
+50% on an H100/H200-class GPU. The vocabulary is padded to 50304 as nanoGPT pads it (a multiple
+of 64 keeps the head's matmul on fast tiles); the data are synthetic tokens, which cost the same
+to train on as text.
 
 `offload`: GPT sizes from GPT-2 XL up, each with ZeRO-2 and its optimizer offloaded to host
 memory (ZeRO-Offload), bf16, activation checkpointing and micro-batch 1. The planner
