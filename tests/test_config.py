@@ -170,9 +170,9 @@ def test_every_schema_error_is_reported_at_once():
             "torch_autocast.enabled: torch_autocast and bf16.enabled are both on; choose one",
         ),
         (
-            with_changes(torch_autocast={"enabled": True}, zero_optimization={"stage": 2}),
+            with_changes(torch_autocast={"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linearr"]}),
             1,
-            "torch_autocast.enabled: torch_autocast is trained at ZeRO stage 0 only",
+            "torch_autocast.lower_precision_safe_modules.0: torch.nn has no torch module class 'Linearr'",
         ),
         (
             with_changes(torch_autocast={"enabled": True}, parallel={"pipeline_parallel_size": 2}),
@@ -385,7 +385,8 @@ def test_torch_autocast_turns_auto_precisions_off_and_counts_bf16_products():
     assert config.document["bf16"]["enabled"] is False and config.document["fp16"]["enabled"] is False
     assert (config.precision, config.compute_precision) == ("fp32", "bf16")
     assert config.document["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
-    assert config.deepspeed_config()["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    autocast = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}  # fp32 reduction
+    assert config.deepspeed_config()["torch_autocast"] == autocast
 
 
 def test_deepspeed_config_holds_only_deepspeed_keys():

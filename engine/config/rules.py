@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from engine.config.batch import BatchError, solve_batch_triple
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
@@ -139,9 +141,8 @@ def check_precision(document: dict, world_size: int, hardware: Hardware | None) 
 
 
 def _autocast_issues(document: dict, hardware: Hardware | None) -> Iterator[ConfigIssue]:
-    """torch_autocast where the engine trains it: DeepSpeed's whole-model engine at ZeRO stage 0. The
-    pipeline engine calls its stages outside `DeepSpeedEngine.forward`, where DeepSpeed autocasts;
-    ZeRO 1-3 under autocast are not yet compared with the reference."""
+    """torch_autocast where DeepSpeed applies it: its whole-model engine, whose `forward` autocasts.
+    The pipeline engine calls its stages outside that `forward`."""
     path = "torch_autocast.enabled"
     for other in ("bf16", "fp16"):
         if document[other]["enabled"] is True:
@@ -156,10 +157,28 @@ def _autocast_issues(document: dict, hardware: Hardware | None) -> Iterator[Conf
         )
     if document["parallel"]["pipeline_parallel_size"] > 1:
         yield ConfigIssue(path, "DeepSpeed's pipeline engine does not autocast its stages; use bf16.enabled")
-    if document["zero_optimization"]["stage"] != 0:
-        yield ConfigIssue(path, "torch_autocast is trained at ZeRO stage 0 only; set zero_optimization.stage to 0")
     if hardware is not None and not hardware.bf16_supported:
         yield ConfigIssue(path, f"this {hardware.name} does not support bf16; use fp16 or fp32")
+    for index, name in enumerate(document["torch_autocast"]["lower_precision_safe_modules"]):
+        problem = _module_class_problem(name)
+        if problem:
+            yield ConfigIssue(f"torch_autocast.lower_precision_safe_modules.{index}", problem)
+
+
+def _module_class_problem(name: str) -> str | None:
+    """Why `name` ("package.Class") is not a torch module class DeepSpeed can import, or None.
+    DeepSpeed imports these inside `deepspeed.initialize`, after every rank has started."""
+    package, _, class_name = name.rpartition(".")
+    try:
+        module = importlib.import_module(package) if package else None
+    except ImportError:
+        module = None
+    if module is None:
+        return f"{name!r} is not package.Class of an importable module"
+    found = getattr(module, class_name, None)
+    if not (isinstance(found, type) and issubclass(found, torch.nn.Module)):
+        return f"{package} has no torch module class {class_name!r}"
+    return None
 
 
 def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
