@@ -146,11 +146,10 @@ def main() -> None:
     except ConfigError as error:
         parser.exit(2, f"{error}\n")
     recipe = config.document  # the engine's defaults filled in, as the engine trains it
-    corpus = Path(recipe["data"]["path"] or "")  # relative to the working directory, as the engine reads it
-    if not corpus.is_file():
-        parser.error(
-            f"{args.config}: data.path {recipe['data']['path']!r} is not a file; nanoGPT trains on a text file"
-        )
+    path = recipe["data"]["path"]  # relative to the working directory, as the engine reads it
+    corpus = Path(path) if isinstance(path, str) else None
+    if corpus is None or not corpus.is_file():
+        parser.error(f"{args.config}: data.path {path!r} is not one text file, which is what nanoGPT trains on")
     torch.set_num_threads(args.threads)
     text = corpus.read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
