@@ -25,7 +25,7 @@ from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, median, rounds, run_overrides
-from engine.config import load_config
+from engine.config import EngineConfig, load_config
 from engine.hardware import detect_hardware
 from engine.run import load_data
 
@@ -44,10 +44,9 @@ class ValidationSplit(NamedTuple):
     blocks: int  # seq_len-token blocks in the split
 
 
-def validation_split() -> ValidationSplit:
+def validation_split(config: EngineConfig) -> ValidationSplit:
     """How many evaluation batches cover the whole validation split (the engine evaluates a fixed
     number of micro-batches, cycling the split if asked for more)."""
-    config = load_config(CONFIG, [], world_size=1, hardware=detect_hardware(local_world_size=1))
     blocks = len(load_data(config).validation)
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
     return ValidationSplit(blocks // micro_batch, micro_batch, config.data["seq_len"], blocks)
@@ -64,15 +63,28 @@ def nanogpt_loss(steps: int, blocks: int, threads: int, seed: int) -> float:
 
 def run(settings: Settings) -> Result:
     steps = settings.quality_steps
-    split = validation_split()
+    config = load_config(CONFIG, [], world_size=1, hardware=detect_hardware(local_world_size=1))
+    split, seed = validation_split(config), config.trainer["seed"]
     log_interval = max(1, steps // 20)
     overrides = run_overrides(steps, log_interval, split.batches, settings.threads)
-    pairs = rounds("torch", CONFIG, overrides, settings.quality_rounds, RUNS / "shakespeare", "shakespeare")
+    pairs = rounds(
+        "torch",
+        CONFIG,
+        overrides,
+        settings.quality_rounds,
+        RUNS / "shakespeare",
+        "shakespeare",
+        per_round=lambda number: [f"trainer.seed={seed + number}"],
+    )
     nanogpt = [
         nanogpt_loss(steps, split.batches * split.micro_batch, settings.threads, NANOGPT_SEED + number)
         for number in range(settings.quality_rounds)
     ]
     print(f"  nanoGPT's own model and loop: validation loss {median(nanogpt):.4f}", flush=True)
+    by_round = "; ".join(
+        f"{pair.engine.eval_loss:.3f}, {pair.baseline.eval_loss:.3f}, {own:.3f}"
+        for pair, own in zip(pairs, nanogpt, strict=True)
+    )
     early = None if steps == GOAL_STEP else f"the goal is stated at step {GOAL_STEP}; this run stopped at {steps}"
     first = {"engine": pairs[0].engine, BASELINE: pairs[0].baseline}
     curves = {f"{side} training": tuple(map(list, zip(*first[side].losses, strict=True))) for side in first}
@@ -92,7 +104,8 @@ def run(settings: Settings) -> Result:
             "the last 10% of the text, in order. nanoGPT's own model and loop (bench/nanogpt.py: no biases, "
             "no decay on gains, a target for each of the 64 characters of a window drawn at a random offset) "
             f"train the same recipe, seed {NANOGPT_SEED} + round, in a process of their own, and are validated "
-            "on the same blocks."
+            f"on the same blocks. The engine and the loop start from seed {seed} + round. Validation loss by round "
+            f"(engine, loop, nanoGPT): {by_round}."
         ),
         rows=[
             compare(

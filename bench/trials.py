@@ -14,6 +14,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,11 +111,20 @@ def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def rounds(kind: str, config: Path, overrides: list[str], count: int, run_dir: Path, label: str) -> list[Pair]:
-    """`count` paired trials, each in a fresh process."""
+def rounds(
+    kind: str,
+    config: Path,
+    overrides: list[str],
+    count: int,
+    run_dir: Path,
+    label: str,
+    per_round: Callable[[int], list[str]] = lambda number: [],
+) -> list[Pair]:
+    """`count` paired trials, each in a fresh process; round k is also told `per_round(k)` (a seed of
+    its own, where the spread over seeds is what is measured)."""
     pairs = []
     for number in range(count):
-        pair = paired_trial(kind, config, overrides, run_dir / f"{label}-{number}")
+        pair = paired_trial(kind, config, overrides + per_round(number), run_dir / f"{label}-{number}")
         pairs.append(pair)
         print(
             f"  round {number + 1}/{count} {label}: engine {pair.engine.seconds_per_step * 1e3:.2f} ms/step, "
