@@ -101,7 +101,8 @@ def speed(settings: Settings) -> Result:
         raise RuntimeError("no variant trained: " + "; ".join(f"{name}: {why}" for name, why in failures.items()))
     config = load_config(CONFIG, [*COMMON, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
     peak = device_peak_flops(torch.cuda.get_device_name(), "bf16")
-    return speed_result(measured, failures, model_flops_per_item(config), peak, steps, machine_facts(settings.threads))
+    machine = next(iter(measured.values()))[0].machine
+    return speed_result(measured, failures, model_flops_per_item(config), peak, steps, machine)
 
 
 def speed_result(

@@ -12,7 +12,8 @@ step: stepping alternately one by one doubled both sides' step time on the 2-cor
 GPU each hand-over synchronises the device, so each side is charged for its own kernels.
 
 Writes <output_dir>/paired.json: both sides' window times, the baseline's loss at the end of each
-window and its final validation loss (the engine's own are in metrics.jsonl).
+window, its final validation loss (the engine's own are in metrics.jsonl) and the machine's facts,
+so that a trial run on another machine (a lent GPU) is reported with that machine's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.baseline import LOOPS, Baseline, build_baseline, evaluate
+from bench.machine import machine_facts
 from engine.config import load_config
 from engine.hardware import detect_hardware
 from engine.run import load_data, run, settle_vocabulary
@@ -79,6 +81,7 @@ class Pairing:
             "baseline_windows": self.baseline_windows,
             "baseline_losses": self.losses,
             "baseline_eval_loss": evaluate(self._baseline, self.device),
+            "machine": machine_facts(torch.get_num_threads()),
         }
         (Path(self.config.trainer["output_dir"]) / PAIRED).write_text(json.dumps(result) + "\n")
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, median, rounds, run_overrides
@@ -137,5 +136,5 @@ def run(settings: Settings) -> Result:
                 goal_line=LOSS_GOAL.limit,
             )
         ],
-        machine=machine_facts(settings.threads),
+        machine=pairs[0].machine,
     )

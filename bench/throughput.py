@@ -7,7 +7,6 @@ it also includes what DeepSpeed itself adds."""
 
 from __future__ import annotations
 
-from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, median, rounds, run_overrides
@@ -66,5 +65,5 @@ def _versus(name: str, kind: str, label: str, title: str, settings: Settings) ->
                 goal_line=None,
             )
         ],
-        machine=machine_facts(settings.threads),
+        machine=pairs[0].machine,
     )

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.paired import PAIRED
 from engine.distributed import free_port
@@ -40,6 +41,7 @@ class Pair:
     engine: Side
     baseline: Side
     ratio: float  # engine / baseline throughput: the median over windows of the paired ratios
+    machine: dict[str, Any]  # bench.machine.machine_facts of the process that ran the trial
 
 
 def run_overrides(steps: int, log_interval: int, eval_batches: int, threads: int) -> list[str]:
@@ -84,6 +86,7 @@ def read_pair(run_dir: Path) -> Pair:
         engine=side(engine, [(r["step"], r["loss"]) for r in records], records[-1].get("eval_loss")),
         baseline=side(baseline, paired["baseline_losses"], paired["baseline_eval_loss"]),
         ratio=statistics.median(b / e for e, b in zip(engine, baseline, strict=True)),
+        machine=paired["machine"],
     )
 
 

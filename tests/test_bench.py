@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench.__main__ as bench_main
 import bench.report as report
@@ -132,7 +133,7 @@ def test_failed_gpu_variant_keeps_the_others_figures_and_fails_the_run(
 ) -> None:
     """A variant that does not train (a kernel or compile error on the lent GPU) is reported with
     its error; the variants that trained keep their rows, and the run exits 1."""
-    pair = Pair(engine=Side(0.05, 327_680.0, [], None), baseline=Side(0.04, 409_600.0, [], None), ratio=0.8)
+    pair = Pair(engine=Side(0.05, 327_680.0, [], None), baseline=Side(0.04, 409_600.0, [], None), ratio=0.8, machine={})
     failed = "compiled, SDPA, activation checkpointing"
     error = "python -m bench.paired torch ... exited 1; log trial.log:\nrank 0 failed: AttributeError: no such method"
     result = gpu.speed_result({"eager, SDPA": [pair]}, {failed: error}, 10**9, 10**15, steps=60, machine={})
@@ -148,7 +149,8 @@ def test_failed_gpu_variant_keeps_the_others_figures_and_fails_the_run(
 
 def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -> None:
     """One real paired process: the PyTorch loop, stepped between the engine's windows, starts
-    from the same weights and reads the same batches, so its losses are the engine's."""
+    from the same weights and reads the same batches, so its losses are the engine's. The trial
+    records the machine it ran on, with the thread count both sides used."""
     overrides = [
         "data.type=synthetic",
         "scheduler.params.warmup_num_steps=2",
@@ -160,6 +162,7 @@ def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -
     assert [baseline[step] for step in (4, 8, 12)] == pytest.approx([engine[step] for step in (4, 8, 12)], rel=1e-5)
     assert pair.baseline.eval_loss == pytest.approx(pair.engine.eval_loss, rel=1e-5)
     assert pair.engine.seconds_per_step > 0 and pair.baseline.seconds_per_step > 0 and pair.ratio > 0
+    assert pair.machine["threads"] == 1 and pair.machine["torch"] == torch.__version__ and pair.machine["cpu"]
 
 
 def test_nanogpt_reference_is_the_baby_gpt_and_learns() -> None:
