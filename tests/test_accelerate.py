@@ -116,6 +116,19 @@ def test_accelerate_resume_continues_exactly(stage: int, tmp_path: Path):
 
 
 @pytest.mark.launch
+def test_compiled_fsdp_trains_as_the_eager_reference(tmp_path: Path):
+    """`trainer.compile` on the accelerate backend compiles block by block before FSDP2 wraps them:
+    the eager single-process reference's losses, gradient norms and weights, to inductor's rounding."""
+    overrides = {"zero_optimization.stage": 3, "trainer.compile": True}
+    run = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "run")
+    reference = reference_run(CONFIGS["gpt"], {**overrides, "trainer.backend": "accelerate"}, world_size=2)
+    assert "compiled (torch.compile)" in run.stdout
+    assert max_loss_difference(run.losses, reference.losses) <= 1e-4, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms, rtol=1e-3)
+    assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
+
+
+@pytest.mark.launch
 def test_bf16_fsdp_trains_and_exports_fp32_weights(tmp_path: Path):
     run = launch_accelerate(CONFIGS["gpt"], {"zero_optimization.stage": 3, "bf16.enabled": True}, tmp_path / "run")
     assert run.losses[-1] < run.losses[0]
