@@ -97,7 +97,8 @@ def test_run_draws_its_plots_at_the_end(uninterrupted: Path):
     for name in expected:
         with Image.open(plots / f"{name}.png") as image:
             assert image.width > 100 and image.height > 100
-            assert len(set(image.convert("L").getdata())) > 2  # something is drawn, not a blank canvas
+            grey_levels = sum(1 for count in image.convert("L").histogram() if count)
+            assert grey_levels > 2  # something is drawn, not a blank canvas
     for record in read_run(uninterrupted).records:
         assert record["grad_norm"] > 0
         assert {"time_data_s", "time_forward_s", "time_backward_s", "time_step_s"} <= record.keys()
