@@ -29,18 +29,29 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
 }
 
 
+def _count(text: str) -> int:
+    """A count of rounds, steps or threads: zero would leave a benchmark with nothing to take a median of."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_settings(argv: list[str] | None) -> tuple[list[str], Settings]:
     """The benchmarks to run (none with --report-only) and the settings they share."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(BENCHMARKS)} (default: all)")
-    parser.add_argument("--rounds", type=int, default=5, help="paired trials (fresh processes) per speed benchmark")
-    parser.add_argument("--steps", type=int, default=300, help="steps per speed trial, the first interval untimed")
-    parser.add_argument("--log-interval", type=int, default=25, help="steps between log records in speed trials")
-    parser.add_argument("--quality-steps", type=int, default=2000, help="training steps of benchmark 3")
-    parser.add_argument("--quality-rounds", type=int, default=1, help="paired trials of benchmark 3")
+    parser.add_argument("--rounds", type=_count, default=5, help="paired trials (fresh processes) per speed benchmark")
+    parser.add_argument("--steps", type=_count, default=300, help="steps per speed trial, the first interval untimed")
+    parser.add_argument("--log-interval", type=_count, default=25, help="steps between log records in speed trials")
+    parser.add_argument("--quality-steps", type=_count, default=2000, help="training steps of benchmark 3")
+    parser.add_argument("--quality-rounds", type=_count, default=1, help="paired trials of benchmark 3")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from stored results")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    parser.add_argument("--threads", type=int, default=cores, help="CPU threads of every side (default: all cores)")
+    parser.add_argument("--threads", type=_count, default=cores, help="CPU threads of every side (default: all cores)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:

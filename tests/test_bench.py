@@ -115,6 +115,23 @@ def test_report_renders_rows_verdicts_and_plot(report_paths: Path) -> None:
     assert (report_paths / "benchmarks.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quality-rounds", "0"], "argument --quality-rounds: must be at least 1, got 0"),
+        (["--threads", "two"], "argument --threads: expected a whole number, got 'two'"),
+        (["--steps", "40", "--log-interval", "25"], "--steps must be at least twice --log-interval"),
+        (["nosuch"], "unknown benchmark nosuch"),
+    ],
+)
+def test_bad_bench_arguments_get_a_usage_error(argv: list[str], message: str, capsys) -> None:
+    """Before anything runs: zero rounds once reached a StatisticsError from an empty median."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main.parse_settings(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_unavailable_benchmark_is_passed_over(report_paths: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     def needs_gpu(settings):
         raise Unavailable("needs a CUDA GPU")
