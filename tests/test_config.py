@@ -175,6 +175,11 @@ def test_every_schema_error_is_reported_at_once():
             "torch_autocast.lower_precision_safe_modules.0: torch.nn has no torch module class 'Linearr'",
         ),
         (
+            with_changes(torch_autocast={"enabled": True, "lower_precision_safe_modules": [".."]}),
+            1,
+            "torch_autocast.lower_precision_safe_modules.0: '..' is not package.Class of an importable module",
+        ),
+        (
             with_changes(torch_autocast={"enabled": True}, parallel={"pipeline_parallel_size": 2}),
             2,
             "torch_autocast.enabled: DeepSpeed's pipeline engine does not autocast its stages",

@@ -171,7 +171,7 @@ def _module_class_problem(name: str) -> str | None:
     package, _, class_name = name.rpartition(".")
     try:
         module = importlib.import_module(package) if package else None
-    except ImportError:
+    except (ImportError, TypeError):  # TypeError: a relative name such as "..", which has no anchor here
         module = None
     if module is None:
         return f"{name!r} is not package.Class of an importable module"

@@ -38,8 +38,14 @@ def describe(schema: dict) -> str:
     kind = schema.get("type", "value")
     if isinstance(kind, list):
         return " or ".join(kind)
-    words = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
-    words |= {"null": "null", "array": "a list"}
+    words = {
+        "integer": "an integer",
+        "number": "a number",
+        "boolean": "true or false",
+        "string": "a string",
+        "null": "null",
+        "array": "a list",
+    }
     text = words.get(kind, f"a {kind}")
     if kind == "array" and "type" in schema.get("items", {}):
         text += f" of {schema['items']['type']}s"
