@@ -4,10 +4,10 @@ validated exactly as the engine validates.
 
 Benchmark 3's loss goal (1.89) is nanoGPT's published figure for this recipe, estimated there from
 20 random validation batches. This calibrates the goal: the engine and its PyTorch loop train
-transformers' GPT-2 (biases, every parameter decayed, seq_len - 1 targets per window), while
-nanoGPT trains its own model (no biases, no decay on gains, seq_len targets per window drawn at
-random offsets). If nanoGPT itself does not reach the goal on the whole validation split, the
-goal's figure came from its noisier estimate, not from a better recipe.
+transformers' GPT-2 (biases, every parameter decayed), while nanoGPT trains its own model (no
+biases, no decay on gains, windows drawn at random offsets with replacement). If nanoGPT itself
+does not reach the goal on the whole validation split, the goal's figure came from its noisier
+estimate, not from a better recipe.
 
 The recipe's numbers (sizes, batch, optimizer, warm-up, floor of the cosine, clipping, split) are
 read from the engine's config as the engine resolves it, so the two cannot drift apart.
@@ -94,9 +94,10 @@ def learning_rate(step: int, peak: float, floor: float, warmup: int, total: int)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
 
 
-def train(recipe: dict[str, Any], text: str, steps: int, seed: int, blocks: int) -> dict[str, float]:
+def train(recipe: dict[str, Any], text: str, steps: int, seed: int, samples: int) -> dict[str, float]:
     """nanoGPT's loop for `steps` steps; then the engine's validation: the mean next-character loss
-    over the first `blocks` consecutive seq_len-character blocks of the split (seq_len - 1 targets each)."""
+    over the split's first `samples` samples as the engine cuts them (seq_len inputs every seq_len
+    characters, each with the character after it as target)."""
     torch.manual_seed(seed)
     vocabulary = {char: index for index, char in enumerate(sorted(set(text)))}
     data = torch.tensor([vocabulary[char] for char in text], dtype=torch.long)
@@ -126,8 +127,8 @@ def train(recipe: dict[str, Any], text: str, steps: int, seed: int, blocks: int)
     seconds_per_step = (time.perf_counter() - started) / steps
     model.eval()
     with torch.no_grad():
-        windows = validation[: blocks * context].view(blocks, context)
-        logits = model(windows)[:, :-1]
+        windows = validation.unfold(0, context + 1, context)[:samples]
+        logits = model(windows[:, :-1])
         eval_loss = F.cross_entropy(logits.reshape(-1, len(vocabulary)), windows[:, 1:].reshape(-1)).item()
     return {"eval_loss": eval_loss, "seconds_per_step": seconds_per_step}
 
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True, help="the engine config whose recipe nanoGPT follows")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=1337, help="nanoGPT's default seed")
-    parser.add_argument("--blocks", type=int, required=True, help="validation blocks the engine evaluates")
+    parser.add_argument("--samples", type=int, required=True, help="validation samples the engine evaluates")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -153,7 +154,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     text = corpus.read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(train(recipe, text, args.steps, args.seed, args.blocks), indent=1) + "\n")
+    args.out.write_text(json.dumps(train(recipe, text, args.steps, args.seed, args.samples), indent=1) + "\n")
 
 
 if __name__ == "__main__":

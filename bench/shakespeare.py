@@ -8,7 +8,7 @@ seconds per step within 5% of the loop.
 
 The loss goal is nanoGPT's published figure for this recipe. To calibrate it, nanoGPT's own model
 and loop (bench/nanogpt.py) train the same recipe in a process of their own and are validated on
-the same blocks; the report prints the engine's loss against it.
+the same samples; the report prints the engine's loss against it.
 
 The corpus (../shared/data/tinyshakespeare.txt, not committed) is split as nanoGPT splits it: the
 first 90% of its characters train, the last 10% validate (data/text.py).
@@ -40,22 +40,22 @@ class ValidationSplit(NamedTuple):
     batches: int  # micro-batches that cover the split once, but for a remainder under one micro-batch
     micro_batch: int
     seq_len: int
-    blocks: int  # seq_len-token blocks in the split
+    samples: int  # samples in the split, seq_len inputs and their next tokens each
 
 
 def validation_split(config: EngineConfig) -> ValidationSplit:
     """How many evaluation batches cover the whole validation split (the engine evaluates a fixed
     number of micro-batches, cycling the split if asked for more)."""
-    blocks = len(load_data(config).validation)
+    samples = len(load_data(config).validation)
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
-    return ValidationSplit(blocks // micro_batch, micro_batch, config.data["seq_len"], blocks)
+    return ValidationSplit(samples // micro_batch, micro_batch, config.data["seq_len"], samples)
 
 
-def nanogpt_loss(steps: int, blocks: int, threads: int, seed: int) -> float:
-    """nanoGPT's validation loss on the engine's first `blocks` validation blocks (bench/nanogpt.py)."""
+def nanogpt_loss(steps: int, samples: int, threads: int, seed: int) -> float:
+    """nanoGPT's validation loss on the engine's first `samples` validation samples (bench/nanogpt.py)."""
     out = RUNS / "shakespeare" / f"nanogpt-{seed}.json"
     command = [sys.executable, "-m", "bench.nanogpt", "--config", str(CONFIG), "--steps", str(steps)]
-    command += ["--seed", str(seed), "--blocks", str(blocks), "--threads", str(threads), "--out", str(out)]
+    command += ["--seed", str(seed), "--samples", str(samples), "--threads", str(threads), "--out", str(out)]
     subprocess.run(command, cwd=ROOT, check=True)
     return json.loads(out.read_text())["eval_loss"]
 
@@ -98,12 +98,13 @@ def run(settings: Settings) -> Result:
             f"{settings.threads} threads, {settings.quality_rounds} round(s), each a fresh process in which the engine "
             "and the loop alternate window by window (bench/paired.py), the engine logging every "
             f"{log_interval} steps; speed is the median {log_interval}-step window after the first. Validation loss "
-            f"after the last step over {split.batches} batches of {split.micro_batch} non-overlapping "
-            f"{split.seq_len}-character blocks: {split.batches * split.micro_batch} of the {split.blocks} blocks of "
+            f"after the last step over {split.batches} batches of {split.micro_batch} samples of "
+            f"{split.seq_len} characters, each scored on the character after every one of them, cut every "
+            f"{split.seq_len} characters: {split.batches * split.micro_batch} of the {split.samples} samples of "
             "the last 10% of the text, in order. nanoGPT's own model and loop (bench/nanogpt.py: no biases, "
-            "no decay on gains, a target for each of the 64 characters of a window drawn at a random offset) "
+            "no decay on gains, windows drawn at random offsets with replacement) "
             f"train the same recipe, seed {NANOGPT_SEED} + round, in a process of their own, and are validated "
-            f"on the same blocks. The engine and the loop start from seed {seed} + round. Validation loss by round "
+            f"on the same samples. The engine and the loop start from seed {seed} + round. Validation loss by round "
             f"(engine, loop, nanoGPT): {by_round}."
         ),
         rows=[

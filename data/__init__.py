@@ -54,9 +54,9 @@ def build_datasets(
 ) -> DataBundle:
     """Build the training and validation datasets a validated `data` config section describes.
 
-    `family` is "gpt" (token blocks of `seq_len`) or "resnet" (images). `vocab_size` and
-    `num_classes` come from the model config and size synthetic data only; real data reports
-    its own.
+    `family` is "gpt" (samples of `seq_len` tokens and their next-token labels) or "resnet"
+    (images). `vocab_size` and `num_classes` come from the model config and size synthetic data
+    only; real data reports its own.
     """
     data_type = data_cfg["type"]
     allowed = DATA_TYPES_BY_FAMILY.get(family)
@@ -65,7 +65,7 @@ def build_datasets(
     if data_type not in allowed:
         raise ValueError(f"data.type {data_type!r} does not suit model family {family!r}; use one of {allowed}")
     if family == "gpt" and seq_len is None:
-        raise ValueError("a gpt model needs seq_len to cut token blocks")
+        raise ValueError("a gpt model needs seq_len to cut token samples")
 
     if data_type == "text":
         return _text_bundle(data_cfg, seq_len)

@@ -31,15 +31,16 @@ class _KeyedSamples(Dataset):
 
 
 class SyntheticTokens(_KeyedSamples):
-    """`{"input_ids": long [seq_len]}` uniform in [0, vocab_size)."""
+    """`{"input_ids": long [seq_len], "labels": long [seq_len]}`: a window of `seq_len + 1` tokens
+    uniform in [0, vocab_size), shaped as text samples are (labels one token on)."""
 
     def __init__(self, num_samples: int, *, seq_len: int, vocab_size: int, seed: int, split: str) -> None:
         super().__init__(num_samples, seed, split)
         self.seq_len, self.vocab_size = seq_len, vocab_size
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        tokens = self._rng(index).integers(0, self.vocab_size, size=self.seq_len)
-        return {"input_ids": torch.from_numpy(tokens).long()}
+        window = torch.from_numpy(self._rng(index).integers(0, self.vocab_size, size=self.seq_len + 1)).long()
+        return {"input_ids": window[:-1], "labels": window[1:]}
 
 
 class SyntheticImages(_KeyedSamples):

@@ -1,8 +1,9 @@
-"""Local text corpora turned into fixed-length blocks of token ids for language modelling.
+"""Local text corpora turned into fixed-length samples of token ids for language modelling.
 
-Documents are tokenized, joined into one stream and cut into blocks of `seq_len` tokens
-(non-overlapping, or for training starting every `data.stride` tokens), so every position of
-every block is a real token: no padding, no mask.
+Documents are tokenized, joined into one stream and cut into windows of `seq_len + 1` tokens
+(one every `seq_len` tokens, or for training every `data.stride` tokens): `seq_len` inputs and,
+one token on, `seq_len` targets. Every position of every sample is a real token: no padding,
+no mask.
 """
 
 from collections.abc import Sequence
@@ -23,11 +24,15 @@ VALIDATION_SPLITS = ("validation", "test")
 
 
 class PackedTokens(Dataset):
-    """`seq_len`-token slices of one stream starting every `stride` tokens (by default `seq_len`:
-    consecutive blocks); a tail shorter than a slice is dropped.
+    """`{"input_ids": long [seq_len], "labels": long [seq_len]}` samples of one stream: window k
+    holds tokens k * stride ... k * stride + seq_len, the inputs its first `seq_len` and the labels
+    its last. A tail shorter than a window is dropped.
 
-    A stride below `seq_len` makes overlapping windows. At stride 1 a sample starts at every token,
-    and shuffled sampling draws offsets as nanoGPT's random windows do, without replacement.
+    At the default stride, `seq_len`, consecutive windows share one token, so every token of the
+    stream after the first is a target exactly once (Megatron's, GPT-NeoX's, nanoGPT's and
+    torchtitan's samples). A stride below `seq_len` makes overlapping windows. At stride 1 a
+    sample starts at every token, and shuffled sampling draws offsets as nanoGPT's random windows
+    do, without replacement.
     """
 
     def __init__(self, tokens: Tensor, seq_len: int, stride: int | None = None) -> None:
@@ -36,15 +41,17 @@ class PackedTokens(Dataset):
         stride = seq_len if stride is None else stride
         if stride < 1:
             raise ValueError(f"stride must be at least 1, got {stride}")
+        window = seq_len + 1
         # A view of the stream, not a copy: at stride 1 the windows share all but one token.
-        self.blocks = tokens.unfold(0, seq_len, stride) if len(tokens) >= seq_len else tokens.new_empty(0, seq_len)
+        self.windows = tokens.unfold(0, window, stride) if len(tokens) >= window else tokens.new_empty(0, window)
 
     def __len__(self) -> int:
-        return self.blocks.shape[0]
+        return self.windows.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        # A clone, so a caller that edits its sample cannot corrupt the stream behind it.
-        return {"input_ids": self.blocks[index].clone()}
+        # Copies, so a caller that edits its sample cannot corrupt the stream behind it.
+        window = self.windows[index]
+        return {"input_ids": window[:-1].clone(), "labels": window[1:].clone()}
 
 
 @dataclass
@@ -67,9 +74,9 @@ def load_text_dataset(
 
     A corpus without its own validation split keeps its first `1 - validation_fraction` of
     tokens for training and the rest for validation, as nanoGPT does: a contiguous tail
-    rather than random blocks, so no validation text also sits inside a training block.
-    `stride` spaces the training samples (see PackedTokens); validation is always cut into
-    consecutive blocks, so each validation token is scored once.
+    rather than random samples, so no validation text also sits inside a training sample.
+    `stride` spaces the training samples (see PackedTokens); validation is always cut at stride
+    `seq_len`, so each validation token after the first is scored once.
     """
     paths = [DEFAULT_CORPUS] if path is None else _as_paths(path)
     source = ", ".join(str(p) for p in paths)
@@ -89,8 +96,9 @@ def load_text_dataset(
     if len(train) == 0 or len(validation) == 0:
         raise ValueError(
             f"{source} is too small: {len(train_tokens)} training and {len(validation_tokens)} validation "
-            f"tokens make {len(train)} and {len(validation)} blocks of seq_len {seq_len}, and each needs "
-            "at least one; use a larger corpus, a smaller seq_len or another validation_fraction"
+            f"tokens make {len(train)} and {len(validation)} samples of seq_len {seq_len} (each seq_len + 1 "
+            "tokens: its inputs and one more target), and each needs at least one; use a larger corpus, a "
+            "smaller seq_len or another validation_fraction"
         )
     return TextDatasets(train=train, validation=validation, tokenizer=text_tokenizer)
 

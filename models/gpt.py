@@ -134,16 +134,14 @@ def apply_activation_checkpointing(model: GPT2LMHeadModel) -> None:
 
 
 def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss; the labels are the inputs because the model shifts them itself."""
-    input_ids = batch["input_ids"]
+    """Mean next-token loss over every position: the labels arrive already one token on."""
     # No KV cache: training never decodes, and the cache would cost memory on every forward.
-    return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    return pipeline_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
 
 
 def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
-    input_ids = batch["input_ids"]
-    return pipeline_eval_sums(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+    return pipeline_eval_sums(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
 
 
 def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
@@ -277,23 +275,24 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
 
 
 def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first stage's input, last stage's labels): the tokens are both; the loss shifts them."""
-    return batch["input_ids"], batch["input_ids"]
+    """(first stage's input, last stage's labels)."""
+    return batch["input_ids"], batch["labels"]
 
 
 def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' own causal-LM loss (fp32 logits, shifted labels), as the unsplit model computes it."""
+    """transformers' own causal-LM loss (fp32 logits), given labels the data already shifted: a
+    sample of seq_len inputs carries seq_len targets, where shifting inside would score seq_len - 1."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    # It views the labels flat, as its own shift leaves them contiguous.
+    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=labels.contiguous())
 
 
 EVAL_SUMS = ("loss_sum", "tokens")
 
 
 def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    # The last position of each row has no next token to predict.
-    predicted = labels.shape[0] * (labels.shape[1] - 1)
+    predicted = labels.numel()
     return {
         "loss_sum": pipeline_loss(logits, labels).detach().double() * predicted,
         "tokens": torch.tensor(predicted, dtype=torch.float64, device=logits.device),

@@ -185,7 +185,7 @@ def test_paired_trial_trains_the_engine_and_the_baseline_alike(tmp_path: Path) -
 def test_nanogpt_reference_is_the_baby_gpt_and_learns() -> None:
     """bench/nanogpt.py restates nanoGPT's model: on benchmark 3's recipe it has the 0.80M
     parameters nanoGPT reports (795,904, position embeddings not counted as nanoGPT counts), and
-    its loop, validated on the engine's blocks, learns a short repetitive text."""
+    its loop, validated on the engine's samples, learns a short repetitive text."""
     recipe = json.loads(shakespeare.CONFIG.read_text())
     arch = recipe["model"]
     model = nanogpt.GPT(65, recipe["data"]["seq_len"], arch["n_layer"], arch["n_head"], arch["n_embd"])

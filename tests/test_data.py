@@ -329,25 +329,34 @@ def write(path: Path, text: str) -> Path:
 
 
 def blocks(dataset) -> list[list[int]]:
-    return [dataset[i]["input_ids"].tolist() for i in range(len(dataset))]
+    """Each sample's inputs, after checking that its labels are the same window one token on."""
+    samples = [dataset[i] for i in range(len(dataset))]
+    for sample in samples:
+        assert torch.equal(sample["labels"][:-1], sample["input_ids"][1:])
+    return [sample["input_ids"].tolist() for sample in samples]
 
 
-def test_packing_cuts_consecutive_non_overlapping_blocks_and_drops_the_tail():
+def test_packing_cuts_windows_one_token_longer_than_seq_len_so_every_token_is_a_target_once():
     tokenizer = CharTokenizer.from_text(SAMPLE_TEXT)
     stream = token_stream([SAMPLE_TEXT], tokenizer)
     packed = PackedTokens(stream, seq_len=10)
-    assert len(packed) == len(SAMPLE_TEXT) // 10
-    assert packed[0]["input_ids"].dtype == torch.long
-    for i, block in enumerate(blocks(packed)):
-        assert block == stream[i * 10 : (i + 1) * 10].tolist()
-    assert tokenizer.decode(sum(blocks(packed), [])) == SAMPLE_TEXT[: len(packed) * 10]
+    assert len(packed) == (len(SAMPLE_TEXT) - 1) // 10
+    assert packed[0]["input_ids"].dtype == packed[0]["labels"].dtype == torch.long
+    for i in range(len(packed)):
+        assert packed[i]["input_ids"].tolist() == stream[i * 10 : (i + 1) * 10].tolist()
+        assert packed[i]["labels"].tolist() == stream[i * 10 + 1 : (i + 1) * 10 + 1].tolist()
+    targets = torch.cat([packed[i]["labels"] for i in range(len(packed))])
+    assert targets.tolist() == stream[1 : len(packed) * 10 + 1].tolist()
+    # A stream of exactly seq_len tokens has no target for its last input: no sample.
+    assert len(PackedTokens(torch.arange(10), seq_len=10)) == 0
+    assert len(PackedTokens(torch.arange(11), seq_len=10)) == 1
 
 
 @pytest.mark.parametrize("stride", [1, 3])
 def test_a_stride_below_seq_len_starts_a_training_window_every_stride_tokens(stride: int):
     stream = torch.arange(25)
     packed = PackedTokens(stream, seq_len=10, stride=stride)
-    assert blocks(packed) == [list(range(start, start + 10)) for start in range(0, 16, stride)]
+    assert blocks(packed) == [list(range(start, start + 10)) for start in range(0, 15, stride)]
 
 
 def test_stride_applies_to_training_only_and_defaults_to_seq_len(tmp_path: Path):
@@ -441,7 +450,7 @@ def test_each_load_prepares_in_a_private_cache_that_is_removed(tmp_path, monkeyp
     first, second = load_text_dataset(path, seq_len=8), load_text_dataset(path, seq_len=8)
     assert len(cache_dirs) == 2 and cache_dirs[0] != cache_dirs[1]
     assert not any(directory.exists() for directory in cache_dirs)
-    torch.testing.assert_close(first.train.blocks, second.train.blocks)
+    torch.testing.assert_close(first.train.windows, second.train.windows)
 
 
 def test_default_corpus_is_embedded_and_used_when_path_is_null():

@@ -37,8 +37,10 @@ def seeded_build(family: ModelFamily, section: dict, seed: int = 0) -> torch.nn.
 
 
 def token_batch(vocab_size: int = 65, batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:
+    """Samples shaped as the text data cuts them: inputs and, one token on, labels."""
     generator = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, vocab_size, (batch, seq_len), generator=generator)}
+    windows = torch.randint(0, vocab_size, (batch, seq_len + 1), generator=generator)
+    return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
 
 
 def image_batch(num_classes: int = 10, batch: int = 2, size: int = 32) -> dict[str, torch.Tensor]:
@@ -181,7 +183,12 @@ def test_gpt_tiny_loss_starts_near_uniform_and_eval_sums_agree():
     with torch.no_grad():
         sums = GPT.eval_sums(CallOnly(model), batch)
         mean = GPT.compute_loss(model, batch)
-    assert sums["tokens"].item() == 2 * 15
+    assert sums["tokens"].item() == 2 * 16
+    # transformers' own loss on the whole window, which shifts inside, scores the same targets.
+    window = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+    with torch.no_grad():
+        shifted_inside = model(input_ids=window, labels=window, use_cache=False).loss
+    assert mean.item() == pytest.approx(shifted_inside.item(), rel=1e-6)
     summary = GPT.summarize_eval({key: value.item() for key, value in sums.items()})
     assert summary["loss"] == pytest.approx(mean.item(), rel=1e-6)
     assert summary["perplexity"] == pytest.approx(math.exp(mean.item()), rel=1e-6)
@@ -195,7 +202,7 @@ def test_gpt_eval_sums_average_exactly_over_batches():
         for batch in batches:
             for key, value in GPT.eval_sums(model, batch).items():
                 totals[key] += value.item()
-        joint = GPT.compute_loss(model, {"input_ids": torch.cat([b["input_ids"] for b in batches])})
+        joint = GPT.compute_loss(model, {key: torch.cat([b[key] for b in batches]) for key in batches[0]})
     assert GPT.summarize_eval(totals)["loss"] == pytest.approx(joint.item(), rel=1e-5)
 
 

@@ -456,11 +456,17 @@ _DATA = _object(
             "description": "Column holding the text in json/parquet data.",
             "default": "text",
         },
-        "seq_len": _integer('Tokens per sample; "auto": the model\'s n_positions.', AUTO, minimum=2, auto=True),
+        "seq_len": _integer(
+            "Input tokens per sample, each with the token after it as its label (so a sample is a window of "
+            'seq_len + 1 tokens); "auto": the model\'s n_positions.',
+            AUTO,
+            minimum=2,
+            auto=True,
+        ),
         "stride": _integer(
-            'Text: tokens between the starts of consecutive training samples; "auto": seq_len, non-overlapping '
-            "blocks. 1 starts a sample at every token, so shuffled batches draw windows at any offset as "
-            "nanoGPT's random sampling does. Validation is always cut into non-overlapping blocks.",
+            'Text: tokens between the starts of consecutive training samples; "auto": seq_len, so every token '
+            "is a target once per epoch. 1 starts a sample at every token, so shuffled batches draw windows at "
+            "any offset as nanoGPT's random sampling does. Validation is always cut at stride seq_len.",
             AUTO,
             minimum=1,
             auto=True,
