@@ -96,9 +96,9 @@ def load_text_dataset(
     if len(train) == 0 or len(validation) == 0:
         raise ValueError(
             f"{source} is too small: {len(train_tokens)} training and {len(validation_tokens)} validation "
-            f"tokens make {len(train)} and {len(validation)} samples of seq_len {seq_len} (each seq_len + 1 "
-            "tokens: its inputs and one more target), and each needs at least one; use a larger corpus, a "
-            "smaller seq_len or another validation_fraction"
+            f"tokens make {len(train)} and {len(validation)} samples of seq_len {seq_len} (each spans "
+            f"{seq_len + 1} tokens: {seq_len} inputs and the token after them, the last target), and each needs "
+            "at least one; use a larger corpus, a smaller seq_len or another validation_fraction"
         )
     return TextDatasets(train=train, validation=validation, tokenizer=text_tokenizer)
 
