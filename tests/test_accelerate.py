@@ -175,7 +175,8 @@ def test_launcher_precision_contradicting_the_config_is_refused(tmp_path: Path):
     arguments += ["--main_process_port", str(free_port())]
     result = _accelerate(arguments, tmp_path, {"ACCELERATE_USE_CPU": "1"})
     assert result.returncode != 0
-    assert "accelerate launch was given mixed precision 'bf16' but the config trains in fp32" in result.stderr
+    message = "accelerate launch was given mixed precision 'bf16' but the config trains in fp32"
+    assert message in result.stderr, result.stderr[-4000:]
 
 
 @pytest.mark.parametrize(
