@@ -16,7 +16,7 @@ import torch
 
 from data import DataBundle, make_eval_loader, make_train_loader
 from engine.config import EngineConfig
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.run import seed_everything
 from models import ModelFamily, get_family
 
@@ -35,15 +35,17 @@ class Baseline:
 
 
 def torch_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFamily) -> tuple[StepFn, torch.nn.Module]:
-    """Plain PyTorch as nanoGPT writes it: accumulate, clip, step the optimizer and the schedule, zero
-    the gradients; bf16 as autocast over fp32 weights, torch's fused AdamW on a GPU, and
+    """Plain PyTorch as nanoGPT writes it: decay the matrices only (by the config's
+    `trainer.weight_decay_on`), accumulate, clip, step the optimizer and the schedule, zero the
+    gradients; bf16 as autocast over fp32 weights, torch's fused AdamW on a GPU, and
     `torch.compile` when the config asks the engine to compile."""
     doc = config.document
     device = next(model.parameters()).device
     if config.compute_precision not in ("fp32", "bf16"):
         raise SystemExit(f"the torch baseline trains in fp32 or bf16 (autocast), not {config.precision}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.compute_precision == "bf16")
-    optimizer = build_optimizer(doc["optimizer"], model.parameters(), fused=device.type == "cuda")
+    groups = parameter_groups(model.parameters(), doc["optimizer"], config.trainer["weight_decay_on"])
+    optimizer = build_optimizer(doc["optimizer"], groups, fused=device.type == "cuda")
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, clipping = doc["gradient_accumulation_steps"], doc["gradient_clipping"]
     if config.trainer["compile"]:
@@ -72,8 +74,9 @@ def deepspeed_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFa
     in the process group the engine started."""
     import deepspeed
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config.deepspeed_config())
+    ds_config = config.deepspeed_config()
+    groups = parameter_groups(model.parameters(), ds_config["optimizer"], config.trainer["weight_decay_on"])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
     if config.trainer["compile"]:
         engine.compile()
     accumulation = engine.gradient_accumulation_steps()

@@ -4,8 +4,8 @@ validated exactly as the engine validates.
 
 Benchmark 3's loss goal (1.89) is nanoGPT's published figure for this recipe, estimated there from
 20 random validation batches. This calibrates the goal: the engine and its PyTorch loop train
-transformers' GPT-2 (biases, every parameter decayed), while nanoGPT trains its own model (no
-biases, no decay on gains, windows drawn at random offsets with replacement). If nanoGPT itself
+transformers' GPT-2 (with biases), while nanoGPT trains its own model (no biases, windows drawn
+at random offsets with replacement); both decay the matrices only. If nanoGPT itself
 does not reach the goal on the whole validation split, the goal's figure came from its noisier
 estimate, not from a better recipe.
 

@@ -1,6 +1,6 @@
 """Benchmark 3: quality and speed on real text. nanoGPT's "baby GPT" on tinyshakespeare, characters
 (4 layers, 4 heads, width 128, context 64, batch 12, AdamW at 1e-3 with 100 linear warm-up steps
-and a cosine to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no dropout, training windows at
+and a cosine to 1e-4, beta2 0.99, weight decay 0.1 on the matrices, clipping 1.0, no dropout, windows at
 every offset as nanoGPT samples them: configs/shakespeare_char.json),
 trained by the engine and by the minimal PyTorch loop of benchmark 1 from the same weights on the
 same batches, step for step in one process. Goals: validation loss <= 1.89 at step 2000, and
@@ -101,8 +101,9 @@ def run(settings: Settings) -> Result:
             f"after the last step over {split.batches} batches of {split.micro_batch} samples of "
             f"{split.seq_len} characters, each scored on the character after every one of them, cut every "
             f"{split.seq_len} characters: {split.batches * split.micro_batch} of the {split.samples} samples of "
-            "the last 10% of the text, in order. nanoGPT's own model and loop (bench/nanogpt.py: no biases, "
-            "no decay on gains, windows drawn at random offsets with replacement) "
+            "the last 10% of the text, in order. Weight decay reaches the matrices only (trainer.weight_decay_on). "
+            "nanoGPT's own model and loop (bench/nanogpt.py: no biases, no decay on gains, windows drawn at random "
+            "offsets with replacement) "
             f"train the same recipe, seed {NANOGPT_SEED} + round, in a process of their own, and are validated "
             f"on the same samples. The engine and the loop start from seed {seed} + round. Validation loss by round "
             f"(engine, loop, nanoGPT): {by_round}."

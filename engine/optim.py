@@ -13,14 +13,31 @@ from typing import Any
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime import lr_schedules
+from torch import nn
+
+
+def parameter_groups(parameters: Iterable[nn.Parameter], section: dict[str, Any], scope: str) -> list[dict[str, Any]]:
+    """The trainable parameters as optimizer groups. Scope "matrices" exempts every parameter of
+    fewer than two dimensions (biases, LayerNorm and BatchNorm gains) from weight decay, as
+    Megatron-LM, GPT-NeoX, nanoGPT and transformers' Trainer do: decay pulls a gain towards zero,
+    not towards the identity it starts at. Without decay to exempt there is one group, so ZeRO
+    flattens and pads the model as one buffer. DeepSpeed, ZeRO and torch all take these groups."""
+    trainable = [p for p in parameters if p.requires_grad]
+    if scope == "all" or not section["params"].get("weight_decay", 0.0):
+        return [{"params": trainable}]
+    matrices = [p for p in trainable if p.ndim >= 2]
+    vectors = [p for p in trainable if p.ndim < 2]
+    groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def build_optimizer(
-    section: dict[str, Any], parameters: Iterable[torch.nn.Parameter], cpu_adam: bool = False, fused: bool = False
+    section: dict[str, Any], parameters: list[dict[str, Any]], cpu_adam: bool = False, fused: bool = False
 ) -> torch.optim.Optimizer:
-    """DeepSpeed treats "Adam" as AdamW unless adam_w_mode is false; `cpu_adam` picks DeepSpeed's
-    C++ CPU Adam, the one DeepSpeed runs under optimizer offload. `fused`: torch's fused Adam kernel
-    (for parameters on a GPU), one launch per step for all tensors, as DeepSpeed's FusedAdam is there."""
+    """`parameters`: the groups of `parameter_groups`. DeepSpeed treats "Adam" as AdamW unless
+    adam_w_mode is false; `cpu_adam` picks DeepSpeed's C++ CPU Adam, the one DeepSpeed runs under
+    optimizer offload. `fused`: torch's fused Adam kernel (for parameters on a GPU), one launch per
+    step for all tensors, as DeepSpeed's FusedAdam is there."""
     params = dict(section["params"])
     if section["type"] == "SGD":
         return torch.optim.SGD(parameters, **params)

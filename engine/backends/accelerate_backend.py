@@ -37,7 +37,7 @@ from engine.backends.base import Backend, Batch, to_device
 from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from models import ModelFamily
 
 _ENGINE_STATE = "engine_state.pt"
@@ -79,7 +79,7 @@ class AccelerateBackend(Backend):
             self.model = _fully_shard(model, family, device, reshard=full, offload=offloads(config))
         self.optimizer = build_optimizer(
             document["optimizer"],
-            [p for p in self.model.parameters() if p.requires_grad],
+            parameter_groups(self.model.parameters(), document["optimizer"], config.trainer["weight_decay_on"]),
             fused=device.type == "cuda" and not offloads(config),
         )
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)

@@ -23,6 +23,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from engine.backends.base import Backend, Batch, to_device
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
+from engine.optim import parameter_groups
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.universal import canonical_names, loading_view, merged_info, save_names, universal_info
 from models import ModelFamily
@@ -155,7 +156,11 @@ class DeepSpeedEngineBackend(Backend):
             wanted = {local: canonical for rank_names in names for local, canonical in (rank_names or {}).items()}
             loading_view(universal_dir, saved_names, wanted, view)
         dist.barrier()
-        return self.load(view.parent, view.name)
+        decays = [group["weight_decay"] for group in self.engine.optimizer.param_groups]
+        client_state = self.load(view.parent, view.name)
+        if self.engine.zero_optimization_stage() == 3:
+            _mend_zero3_universal_load(self.engine.optimizer, decays)
+        return client_state
 
     def grad_norm(self) -> float | None:
         if self._untracked_norm:
@@ -197,6 +202,19 @@ class DeepSpeedEngineBackend(Backend):
         return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
 
 
+def _mend_zero3_universal_load(optimizer: Any, decays: list[float]) -> None:
+    """Undo two things stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3` does to an
+    optimizer of more than one group or sub-group: it gives every group the hyperparameters of the
+    checkpoint's first (the biases and gains would start decaying), and it hands every sub-group
+    one shared `step` tensor, which Adam then advances once per sub-group at each step. Each group
+    gets back the decay the config built it with, each sub-group a step of its own."""
+    for group, decay in zip(optimizer.param_groups, decays, strict=True):
+        group["weight_decay"] = decay
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
 class DeepSpeedBackend(DeepSpeedEngineBackend):
     def __init__(
         self,
@@ -205,14 +223,17 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         ds_config: dict[str, Any],
         device: torch.device,
         input_dtype: torch.dtype,
+        weight_decay_on: str,
         grid: PipelineParallelGrid | None = None,
     ):
-        self._trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        groups = parameter_groups(model.parameters(), ds_config["optimizer"], weight_decay_on)
+        names = {id(parameter): name for name, parameter in model.named_parameters()}
+        self._trainable = [names[id(parameter)] for group in groups for parameter in group["params"]]
         self._names = tensor_names(model)
         self._aliases = tied_aliases(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            model_parameters=groups,
             config=ds_config,
             mpu=grid,
         )
@@ -288,9 +309,9 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         weights = {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
         if self._mixed_precision:
-            # ZeRO-0 under fp16/bf16: DeepSpeed's fp16-style optimizer holds the fp32 masters in one
-            # group, in the order of the parameters handed to deepspeed.initialize.
-            masters = states["optimizer"]["fp32_groups"][0]
+            # ZeRO-0 under fp16/bf16: DeepSpeed's fp16-style optimizer holds the fp32 masters group
+            # by group, in the order of the parameters handed to deepspeed.initialize.
+            masters = [master for group in states["optimizer"]["fp32_groups"] for master in group]
             weights.update(zip(self._trainable, (master.float() for master in masters), strict=True))
             # A tied weight's second name (GPT-2's lm_head) holds the same master.
             weights.update({alias: weights[name] for alias, name in self._aliases.items()})

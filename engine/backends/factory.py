@@ -58,15 +58,16 @@ def _deepspeed_backend(
     input_dtype: torch.dtype,
 ) -> tuple[DeepSpeedEngineBackend, int]:
     layout = parallel_layout(config)
+    decay_on = config.trainer["weight_decay_on"]
     if not layout.model_parallel:
-        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype)
+        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, decay_on)
         return backend, torch.distributed.get_rank()
     # DeepSpeed's grid creates the data-, tensor- and pipeline-parallel groups from the topology.
     grid = PipelineParallelGrid(topology=layout.topology())
     if layout.tensor > 1:
         apply_tensor_parallel(model, family.tensor_parallel, grid.get_slice_parallel_group())
     if layout.pipeline == 1:
-        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, grid=grid)
+        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, decay_on, grid=grid)
     else:
         backend = PipelineBackend(
             model,
@@ -77,5 +78,6 @@ def _deepspeed_backend(
             layout,
             partition_method=config.parallel["pipeline_partition_method"],
             activation_checkpoint_interval=config.parallel["pipeline_activation_checkpoint_interval"],
+            weight_decay_on=decay_on,
         )
     return backend, grid.get_data_parallel_rank()

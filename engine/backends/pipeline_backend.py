@@ -24,6 +24,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from engine.backends.base import Batch, to_device
 from engine.backends.deepspeed_backend import DeepSpeedEngineBackend
+from engine.optim import parameter_groups
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from engine.parallel.layout import ParallelLayout
 from engine.timeline import PipelineEvent, step_breakdown
@@ -133,6 +134,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
         layout: ParallelLayout,
         partition_method: str,
         activation_checkpoint_interval: int,
+        weight_decay_on: str,
     ):
         self._names = tensor_names(model)
         self.family, self.device, self.input_dtype = family, device, input_dtype
@@ -148,7 +150,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
         count_in_norm_once(self.module, self.grid.get_slice_parallel_rank())
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
-            model_parameters=[p for p in self.module.parameters() if p.requires_grad],
+            model_parameters=parameter_groups(self.module.parameters(), ds_config["optimizer"], weight_decay_on),
             config=ds_config,
         )
         self._accumulation = self.engine.gradient_accumulation_steps()

@@ -585,6 +585,14 @@ _TRAINER = _object(
             "block before DDP or FSDP wraps it, as torchtitan does. The first steps pay the compilation.",
             False,
         ),
+        "weight_decay_on": _enum(
+            ["matrices", "all"],
+            'Which parameters optimizer.params.weight_decay applies to. "matrices": those of two or more '
+            "dimensions (linear, convolution and embedding weights); biases and LayerNorm/BatchNorm gains are "
+            'exempt, as Megatron-LM, GPT-NeoX, nanoGPT and transformers\' Trainer exempt them. "all": every '
+            "parameter, as a bare deepspeed.initialize(model.parameters()) decays them.",
+            "matrices",
+        ),
         "threads_per_rank": _integer(
             'CPU threads per rank; "auto": OMP_NUM_THREADS when set, else cores / local ranks.',
             AUTO,

@@ -144,11 +144,12 @@ def plan_run(config: EngineConfig) -> Plan:
     ranks = []
     for rank in range(layout.world_size):
         where = layout.coordinates(rank)
-        stage = numels[where.stage]
+        groups = numels[where.stage]
+        stage = [numel for group in groups for numel in group]
         if config.trainer["backend"] == "accelerate":
             states = accelerate_state_bytes(stage, _wrapper(config), layout.world_size, optimizer)
         else:
-            states = state_bytes(stage, zero, layout.data, where.data, optimizer)
+            states = state_bytes(groups, zero, layout.data, where.data, optimizer)
         # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
         in_flight = min(layout.pipeline - where.stage, accumulation)
         last = where.stage == layout.pipeline - 1

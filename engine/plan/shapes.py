@@ -14,6 +14,7 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.optim import parameter_groups
 from models import ModelFamily
 from models.tensor_parallel import TensorParallelPlan
 
@@ -96,8 +97,9 @@ def stage_parameters(
     return result, ranges
 
 
-def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[int]], list[str], nn.Module]:
-    """Per pipeline stage, the trainable element counts one tensor shard holds, in flattening order."""
+def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[list[int]]], list[str], nn.Module]:
+    """Per pipeline stage, the trainable element counts one tensor shard holds, per optimizer group
+    (`engine.optim.parameter_groups`), in flattening order."""
     model = build_on_meta(family, config.model)
     tensor = config.parallel["tensor_parallel_size"]
     split = sharded_parameters(model, family.tensor_parallel, tensor)
@@ -109,4 +111,9 @@ def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[i
         split,
         tensor,
     )
-    return [local_numels(parameters, split, tensor) for parameters in stages], ranges, model
+    section, decay_on = config.document["optimizer"], config.trainer["weight_decay_on"]
+    numels = [
+        [local_numels(group["params"], split, tensor) for group in parameter_groups(parameters, section, decay_on)]
+        for parameters in stages
+    ]
+    return numels, ranges, model

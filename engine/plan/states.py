@@ -67,10 +67,19 @@ def aligned(count: int, multiple: int) -> int:
 
 
 def state_bytes(
+    groups: Sequence[Sequence[int]], zero: ZeroSettings, dp_size: int, dp_rank: int, optimizer: OptimizerKind
+) -> StateBytes:
+    """One rank's model states: `groups` are the element counts of its trainable parameters (this
+    stage's, this tensor shard's) per optimizer group, each once, in the order of the groups, which
+    is the order ZeRO flattens. Every ZeRO optimizer flattens, pads and partitions each group on
+    its own, so a rank's bytes are the sum of its groups'."""
+    parts = [_group_bytes(numels, zero, dp_size, dp_rank, optimizer) for numels in groups]
+    return StateBytes(*(sum(getattr(part, field) for part in parts) for field in StateBytes.__dataclass_fields__))
+
+
+def _group_bytes(
     numels: Sequence[int], zero: ZeroSettings, dp_size: int, dp_rank: int, optimizer: OptimizerKind
 ) -> StateBytes:
-    """One rank's model states: `numels` are its trainable parameters (this stage's, this tensor
-    shard's), each once, in the order the model registers them, which is the order ZeRO flattens."""
     if zero.stage == 0:
         return _zero0(numels, zero, dp_size, optimizer)
     if zero.stage in (1, 2):

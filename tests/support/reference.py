@@ -12,7 +12,7 @@ import torch
 from data import make_train_loader
 from engine.config import EngineConfig, load_config
 from engine.hardware import detect_hardware
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.run import load_data, seed_everything, settle_vocabulary
 from models import get_family
 
@@ -49,7 +49,8 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     # Under optimizer offload DeepSpeed runs its C++ CPU Adam, whose arithmetic differs from torch's
     # Adam in the last bit; the reference uses the same class, so the comparison measures what
     # ZeRO and offload do (partitioning, moving, reducing), not two Adam kernels.
-    optimizer = build_optimizer(doc["optimizer"], model.parameters(), cpu_adam=offload)
+    groups = parameter_groups(model.parameters(), doc["optimizer"], trainer["weight_decay_on"])
+    optimizer = build_optimizer(doc["optimizer"], groups, cpu_adam=offload)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, dp = doc["gradient_accumulation_steps"], config.dp_size
     loaders = [
