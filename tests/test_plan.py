@@ -27,6 +27,13 @@ def gpt2_parameter_numels() -> list[int]:
     return [VOCAB * HIDDEN, POSITIONS * HIDDEN, *block * LAYERS, HIDDEN, HIDDEN]
 
 
+def gpt2_matrix_numels() -> list[int]:
+    """The parameters of GPT-2 124M that weight decay reaches: the embeddings and the four weight
+    matrices of each block; the rest are biases and LayerNorm gains."""
+    block = [HIDDEN * 3 * HIDDEN, HIDDEN * HIDDEN, HIDDEN * 4 * HIDDEN, 4 * HIDDEN * HIDDEN]
+    return [VOCAB * HIDDEN, POSITIONS * HIDDEN, *block * LAYERS]
+
+
 def plan_of(config: str, world_size: int, overrides: list[str]):
     hardware = detect_hardware(local_world_size=world_size)
     document = load_config(config, [*NO_DATA, *overrides], world_size=world_size, hardware=hardware)
@@ -66,6 +73,20 @@ def test_zero0_holds_everything_and_torch_adam_adds_its_step_tensors():
     states = plan.ranks[0].states
     assert (states.parameter, states.gradient) == (4 * sum(numels), 4 * sum(numels))
     assert states.optimizer == 8 * sum(numels) + 4 * len(numels)
+
+
+def test_zero1_pads_and_partitions_each_optimizer_group_on_its_own():
+    """Decay on the matrices only makes two groups; ZeRO pads each to a multiple of 2 x dp and
+    cuts it into dp partitions, and torch's Adam keeps one step tensor per partition."""
+    overrides = ["zero_optimization.stage=1", "bf16.enabled=false", "fp16.enabled=false", "train_batch_size=400"]
+    plan = plan_of(GPT2, 5, overrides)
+    matrices = sum(gpt2_matrix_numels())
+    vectors = sum(gpt2_parameter_numels()) - matrices
+    padded = [-(-group // 10) * 10 for group in (matrices, vectors)]
+    assert padded != [matrices, vectors]  # 5 ranks: both groups need padding
+    for rank in plan.ranks:
+        assert rank.states.parameter == 4 * sum(padded)
+        assert rank.states.optimizer == sum(3 * 4 * group // 5 + 4 for group in padded)
 
 
 def test_cli_plan_fits_80gib_and_says_so():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 FP32_BYTES = 4
 # torch.optim.Adam/AdamW keep `step` as a float32 scalar tensor per parameter; DeepSpeed's
@@ -74,7 +74,7 @@ def state_bytes(
     is the order ZeRO flattens. Every ZeRO optimizer flattens, pads and partitions each group on
     its own, so a rank's bytes are the sum of its groups'."""
     parts = [_group_bytes(numels, zero, dp_size, dp_rank, optimizer) for numels in groups]
-    return StateBytes(*(sum(getattr(part, field) for part in parts) for field in StateBytes.__dataclass_fields__))
+    return StateBytes(*(sum(getattr(part, field.name) for part in parts) for field in fields(StateBytes)))
 
 
 def _group_bytes(
