@@ -34,8 +34,9 @@ def _versus(name: str, kind: str, label: str, title: str, settings: Settings) ->
         baseline=label,
         method=(
             f"{CONFIG.relative_to(ROOT)} (benchmark 3's shapes), one process, {settings.threads} threads. "
-            f"{settings.rounds} round(s), each a fresh process in which the engine and the baseline alternate window "
-            f"by window for {settings.steps} steps (bench/paired.py), the engine logging every {settings.log_interval}. "
+            f"{settings.rounds} round(s), each a fresh process in which the engine and the baseline alternate "
+            f"window by window for {settings.steps} steps (bench/paired.py), the engine logging every "
+            f"{settings.log_interval}. "
             f"Speed: the median {settings.log_interval}-step window after the first; ratio: the median of the "
             "per-window ratios, then the median over rounds."
         ),

@@ -16,6 +16,12 @@ from deepspeed.runtime import lr_schedules
 from torch import nn
 
 
+def exempts_vectors(section: dict[str, Any], scope: str) -> bool:
+    """Whether `parameter_groups` puts the biases and gains in a group of their own: only when
+    there is decay to exempt them from."""
+    return scope == "matrices" and bool(section["params"].get("weight_decay", 0.0))
+
+
 def parameter_groups(parameters: Iterable[nn.Parameter], section: dict[str, Any], scope: str) -> list[dict[str, Any]]:
     """The trainable parameters as optimizer groups. Scope "matrices" exempts every parameter of
     fewer than two dimensions (biases, LayerNorm and BatchNorm gains) from weight decay, as
@@ -23,7 +29,7 @@ def parameter_groups(parameters: Iterable[nn.Parameter], section: dict[str, Any]
     not towards the identity it starts at. Without decay to exempt there is one group, so ZeRO
     flattens and pads the model as one buffer. DeepSpeed, ZeRO and torch all take these groups."""
     trainable = [p for p in parameters if p.requires_grad]
-    if scope == "all" or not section["params"].get("weight_decay", 0.0):
+    if not exempts_vectors(section, scope):
         return [{"params": trainable}]
     matrices = [p for p in trainable if p.ndim >= 2]
     vectors = [p for p in trainable if p.ndim < 2]

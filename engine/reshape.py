@@ -1,7 +1,7 @@
 """Resuming a checkpoint on another layout: decided before any process group starts.
 
 Every checkpoint records the layout that saved it (`layout.json`: backend, data-, pipeline- and
-tensor-parallel sizes, ZeRO stage, vocabulary). A resume on the same layout loads it as saved.
+tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups). A resume on the same layout loads it as saved.
 One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes through
 DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut into
 the new partitions, Adam moments and schedule included, so training continues as if it had never
@@ -24,7 +24,13 @@ class ReshapeError(ValueError):
 
 
 def layout_record(
-    backend: str, data: int, pipeline: int, tensor: int, zero_stage: int, vocab_size: int | None
+    backend: str,
+    data: int,
+    pipeline: int,
+    tensor: int,
+    zero_stage: int,
+    vocab_size: int | None,
+    optimizer_groups: int,
 ) -> dict[str, Any]:
     """What a checkpoint must know about the run that saved it to be resumed elsewhere."""
     return {
@@ -34,6 +40,7 @@ def layout_record(
         "tensor": tensor,
         "zero_stage": zero_stage,
         "vocab_size": vocab_size,
+        "optimizer_groups": optimizer_groups,
     }
 
 
@@ -45,6 +52,16 @@ def read_layout(tag_dir: Path) -> dict[str, Any] | None:
     """The saving run's layout; None for a checkpoint written before layouts were recorded."""
     path = tag_dir / LAYOUT_FILE
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+_GROUPS = {
+    1: "one optimizer group (weight decay on every parameter, or none)",
+    2: "two optimizer groups (weight decay on the matrices, none on the biases and gains)",
+}
+_SETTINGS = {
+    1: 'trainer.weight_decay_on "all", or optimizer.params.weight_decay 0 if it had none',
+    2: 'trainer.weight_decay_on "matrices" and the same nonzero optimizer.params.weight_decay',
+}
 
 
 def describe(record: dict[str, Any]) -> str:
@@ -68,6 +85,14 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
         raise ReshapeError(
             f"model.vocab_size: checkpoint {tag_dir} has {saved['vocab_size']} vocabulary rows, this run "
             f"{current['vocab_size']}; set model.vocab_size to {saved['vocab_size']}"
+        )
+    # Checkpoints from before the groups were recorded all had one.
+    saved_groups = saved.get("optimizer_groups", 1)
+    if saved_groups != current["optimizer_groups"]:
+        raise ReshapeError(
+            f"trainer.weight_decay_on: checkpoint {tag_dir} holds {_GROUPS[saved_groups]}, and this run "
+            f"{_GROUPS[current['optimizer_groups']]}; optimizer states load group by group. Resume with the "
+            f"grouping it was saved with ({_SETTINGS[saved_groups]}), or: {way_out}"
         )
     if saved["backend"] != current["backend"]:
         raise ReshapeError(

@@ -37,6 +37,7 @@ from engine.hardware import Hardware, detect_hardware
 from engine.launch.detect import launch_problems
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
+from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal, saved_names
 from engine.plots import write_plots
@@ -132,8 +133,9 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
 def checkpoint_layout(config: EngineConfig) -> dict:
     layout = parallel_layout(config)
     vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
+    groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
     return layout_record(
-        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size
+        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size, groups
     )
 
 

@@ -138,7 +138,7 @@ def test_an_export_moves_weights_to_another_layout(pipeline_tensor: Run, tmp_pat
 
 
 def layout(**changes) -> dict:
-    record = layout_record("deepspeed", data=2, pipeline=1, tensor=1, zero_stage=2, vocab_size=64)
+    record = layout_record("deepspeed", data=2, pipeline=1, tensor=1, zero_stage=2, vocab_size=64, optimizer_groups=2)
     return {**record, **changes}
 
 
@@ -152,6 +152,7 @@ def layout(**changes) -> dict:
         (layout(), layout(zero_stage=3, data=1), True),
         (layout(zero_stage=3), layout(zero_stage=3, data=1), True),
         (layout(tensor=2, data=1, zero_stage=1), layout(data=2, zero_stage=1), True),
+        (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
@@ -167,6 +168,10 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),
         (layout(backend="accelerate"), layout(backend="accelerate", data=1), "resumes only the layout"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
+        (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),
+        (layout(optimizer_groups=1), layout(data=1), 'one optimizer group .*weight_decay_on "all"'),
+        # Saved before the layout recorded the groups, when every run had one.
+        ({key: value for key, value in layout().items() if key != "optimizer_groups"}, layout(), "one optimizer group"),
     ],
 )
 def test_impossible_reshapes_name_the_way_out(saved: dict, current: dict, message: str, tmp_path: Path):
