@@ -100,7 +100,8 @@ def test_zero2_on_two_ranks_resumes_as_zero3_on_one(zero2: Run, tmp_path: Path):
     overrides = {"zero_optimization.stage": 3, "gradient_accumulation_steps": 2}
     resumed = resumed_from(zero2, overrides, tmp_path / "zero3", nproc=1)
     assert_continues(resumed, zero2)
-    # ZeRO-3's universal loader gives every group the first group's hyperparameters; the biases and
+    # DeepSpeed's ZeRO-3 universal loader shares one Adam step among the sub-groups (the losses above
+    # show it mended) and gives every group the first group's hyperparameters: the biases and
     # gains must go on undecayed.
     (optimizer_file,) = (resumed.output_dir / "checkpoints" / "step00000006").glob("*rank_0_*optim_states.pt")
     saved = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
