@@ -1,11 +1,11 @@
 """Resuming a checkpoint on another layout: decided before any process group starts.
 
 Every checkpoint records the layout that saved it (`layout.json`: backend, data-, pipeline- and
-tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups). A resume on the same layout loads it as saved.
-One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes through
-DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut into
-the new partitions, Adam moments and schedule included, so training continues as if it had never
-stopped. The cases DeepSpeed cannot convert or load are refused here with the path that works:
+tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups). A resume on the same layout loads
+it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes
+through DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut
+into the new partitions, Adam moments and schedule included, so training continues as if it had
+never stopped. The cases DeepSpeed cannot convert or load are refused here with the path that works:
 resume on the saving layout, let it export, and start the new layout from the export with
 `model.init_from` (weights only; the optimizer starts afresh).
 """
