@@ -23,6 +23,7 @@ from tests.support.compare import (
     max_loss_difference,
 )
 from tests.support.launch import ROOT, free_port, launch_accelerate
+from tests.support.memory import assert_plan_matches_measured
 from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
 
@@ -77,7 +78,8 @@ CASES = [
 @pytest.mark.parametrize("family,wrapper", CASES, ids=[f"{family}-{wrapper.name}" for family, wrapper in CASES])
 def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrapper, tmp_path: Path):
     run = launch_accelerate(CONFIGS[family], wrapper.overrides, tmp_path / "run")
-    reference = reference_run(CONFIGS[family], {**wrapper.overrides, "trainer.backend": "accelerate"}, world_size=2)
+    overrides = {**wrapper.overrides, "trainer.backend": "accelerate"}
+    reference = reference_run(CONFIGS[family], overrides, world_size=2)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms)
@@ -90,6 +92,8 @@ def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrap
         assert all(abs(count - total / 2) <= total * 0.01 for count in per_rank), per_rank
     else:
         assert per_rank == [total, total]
+    # The tiny GPT's vocabulary has an odd number of rows: under FSDP the ranks hold different optimizer bytes.
+    assert_plan_matches_measured(run, CONFIGS[family], overrides, world_size=2)
 
 
 @pytest.mark.launch
@@ -132,12 +136,15 @@ def test_compiled_fsdp_trains_as_the_eager_reference(tmp_path: Path):
 
 @pytest.mark.launch
 def test_bf16_fsdp_trains_and_exports_fp32_weights(tmp_path: Path):
-    run = launch_accelerate(CONFIGS["gpt"], {"zero_optimization.stage": 3, "bf16.enabled": True}, tmp_path / "run")
+    overrides = {"zero_optimization.stage": 3, "bf16.enabled": True}
+    run = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "run")
     assert run.losses[-1] < run.losses[0]
     reference = reference_run(CONFIGS["gpt"], {"trainer.backend": "accelerate"}, world_size=2)
     # Autocast computes in bf16 (about 3 significant digits); the weights stay fp32.
     assert max_loss_difference(run.losses, reference.losses) <= 2e-2
     assert all(tensor.dtype == torch.float32 for tensor in run.exported_state_dict().values())
+    # So do the gradients and Adam's moments: the plan's fp32 bytes are what each rank holds.
+    assert_plan_matches_measured(run, CONFIGS["gpt"], {**overrides, "trainer.backend": "accelerate"}, world_size=2)
 
 
 @pytest.mark.launch

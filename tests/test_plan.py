@@ -89,6 +89,31 @@ def test_zero1_pads_and_partitions_each_optimizer_group_on_its_own():
         assert rank.states.optimizer == sum(3 * 4 * group // 5 + 4 for group in padded)
 
 
+def test_fsdp_allocates_padded_row_pieces_and_the_last_rank_holds_fewer_rows():
+    """The accelerate backend's FSDP2 cuts each parameter into pieces of ceil(rows / 3) rows. GPT-2's
+    50257 vocabulary rows and 1024 positions do not divide by 3: every rank allocates 16753 and 342
+    of them for the weight and its gradient, but the last rank's Adam moments cover only the 16751
+    and 340 it holds. Every other first dimension (768, 2304, 3072) divides by 3."""
+    overrides = [
+        "trainer.backend=accelerate",
+        "zero_optimization.stage=3",
+        "zero_optimization.offload_param.device=cpu",
+        "bf16.enabled=false",
+        "fp16.enabled=false",
+        "train_batch_size=384",
+    ]
+    plan = plan_of(GPT2, 3, overrides)
+    numels = gpt2_parameter_numels()
+    embeddings = (16753 + 342) * HIDDEN
+    padded = embeddings + sum(numels[2:]) // 3
+    held = [padded, padded, padded - (2 + 2) * HIDDEN]  # elements with moments, by rank
+    steps = 4 * len(numels)  # torch's Adam: one step tensor per parameter
+    for rank, elements in zip(plan.ranks, held, strict=True):
+        assert (rank.states.parameter, rank.states.gradient) == (4 * padded, 4 * padded)
+        assert rank.states.optimizer == 2 * 4 * elements + steps
+        assert rank.states.offloaded == rank.states.total  # CPUOffloadPolicy: everything lives on the host
+
+
 def test_cli_plan_fits_80gib_and_says_so():
     result = run_cli(
         "plan",

@@ -20,7 +20,7 @@ from engine.plan.estimate import (
     pipeline_bytes,
     tensor_parallel_bytes,
 )
-from engine.plan.shapes import stage_numels
+from engine.plan.shapes import stage_numels, unique_parameters
 from engine.plan.states import OptimizerKind, StateBytes, ZeroSettings, accelerate_state_bytes, state_bytes
 from models import get_family
 
@@ -132,6 +132,8 @@ def plan_run(config: EngineConfig) -> Plan:
     family = get_family(config.model["family"])
     layout = parallel_layout(config)
     numels, ranges, model = stage_numels(config, family)
+    # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
+    shapes = [tuple(p.shape) for p in unique_parameters([model]) if p.requires_grad]
     zero, optimizer = zero_settings(config), optimizer_kind(config)
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
@@ -147,7 +149,8 @@ def plan_run(config: EngineConfig) -> Plan:
         groups = numels[where.stage]
         stage = [numel for group in groups for numel in group]
         if config.trainer["backend"] == "accelerate":
-            states = accelerate_state_bytes(stage, _wrapper(config), layout.world_size, optimizer)
+            offload = zero.offload_optimizer or zero.offload_param
+            states = accelerate_state_bytes(shapes, _wrapper(config), layout.world_size, where.data, optimizer, offload)
         else:
             states = state_bytes(groups, zero, layout.data, where.data, optimizer)
         # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.

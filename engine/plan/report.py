@@ -28,8 +28,14 @@ def table(plan: Plan) -> str:
             f"{format_bytes(rank.communication.total):>12}"
         )
     other = "without" if plan.checkpointing else "with"
+    if config.trainer["backend"] != "accelerate":
+        rules = "DeepSpeed's partitioning and padding"
+    elif config.zero_stage == 0:
+        rules = "DDP holds every tensor whole"
+    else:
+        rules = "torch FSDP2's padded row pieces"
     lines.append(
-        f"parameters, gradients and optimizer states are exact (DeepSpeed's partitioning and padding); "
+        f"parameters, gradients and optimizer states are exact ({rules}); "
         f"* estimates: activations {'with' if plan.checkpointing else 'without'} activation checkpointing "
         f"({other} it: {format_bytes(max(r.activations_other for r in plan.ranks))} at most), "
         f"communication by ring collectives; pipeline bubble {plan.bubble:.1%}"

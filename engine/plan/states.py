@@ -2,9 +2,11 @@
 of its parameters: DeepSpeed's own flattening, alignment and partitioning rules restated, so that
 the prediction equals what `engine.memory.rank_memory` counts on the live rank, byte for byte.
 
-Each rule cites the DeepSpeed 0.19 code it restates (paths under deepspeed/runtime/). Verified
-byte-exact against measured runs for fp32 on CPU (ZeRO-0/1/2/3, optimizer and parameter offload,
-tensor and pipeline parallelism); bf16/fp16 follow the same code paths by reading, not measurement.
+Each rule cites the DeepSpeed 0.19 code it restates (paths under deepspeed/runtime/), or torch's
+FSDP2 for the accelerate backend (under torch/distributed/fsdp/_fully_shard/). Verified byte-exact
+against measured runs for fp32 on CPU (ZeRO-0/1/2/3, optimizer and parameter offload, tensor and
+pipeline parallelism, DDP and FSDP2 with and without offload); bf16/fp16 follow the same code
+paths by reading, not measurement.
 """
 
 from __future__ import annotations
@@ -174,12 +176,32 @@ def _zero3(numels: Sequence[int], zero: ZeroSettings, dp_size: int, optimizer: O
 
 
 def accelerate_state_bytes(
-    numels: Sequence[int], wrapper: str, world_size: int, optimizer: OptimizerKind
+    shapes: Sequence[Sequence[int]], wrapper: str, world_size: int, rank: int, optimizer: OptimizerKind, offload: bool
 ) -> StateBytes:
-    """DDP holds everything whole; FSDP2 holds numel/N of each parameter (dim-0 shards padded to
-    equal length: an estimate, FSDP2's own padding is per dimension 0, not per element)."""
+    """One rank's model states under the accelerate backend, from the shapes of the model's trainable
+    parameters. DDP holds everything whole. FSDP2 (torch's `fully_shard`) cuts each parameter on
+    dimension 0 into `torch.chunk`'s pieces of ceil(rows / N) rows, so the last ranks may hold fewer
+    rows or none, and a rank's bytes depend on its rank:
+
+    - parameters (_fsdp_param.py `_init_sharded_param`): every rank allocates the padded piece,
+      `new_zeros(chunks[0].size())`, and its own rows are a view into it;
+    - gradients (_fsdp_collectives.py `foreach_reduce`): each is an `as_strided` view into one
+      reduce-scatter output of padded pieces per sharded module, so padded too. With offload on a
+      GPU each is then copied to the host unpadded (`.to("cpu")`, the same tensor on a CPU rank),
+      so there the plan's gradients are over by up to one piece's padding per parameter;
+    - optimizer: torch's Adam allocates its moments like the rank's own rows (unpadded), and one
+      step tensor per parameter.
+
+    Either offload key offloads all three (`CPUOffloadPolicy`: the optimizer steps on the host)."""
     if wrapper == "ddp":
-        total = sum(numels)
-        return StateBytes(FP32_BYTES * total, FP32_BYTES * total, _moment_bytes(total, len(numels), optimizer, True), 0)
-    shard = sum(math.ceil(numel / world_size) for numel in numels)
-    return StateBytes(FP32_BYTES * shard, FP32_BYTES * shard, _moment_bytes(shard, len(numels), optimizer, True), 0)
+        total = sum(math.prod(shape) for shape in shapes)
+        return StateBytes(FP32_BYTES * total, FP32_BYTES * total, _moment_bytes(total, len(shapes), optimizer, True), 0)
+    padded = held = 0
+    for rows, *rest in shapes:
+        piece = math.ceil(rows / world_size)
+        padded += piece * math.prod(rest)
+        held += max(0, min(piece, rows - rank * piece)) * math.prod(rest)
+    parameter = gradient = FP32_BYTES * padded
+    optimizer_bytes = _moment_bytes(held, len(shapes), optimizer, True)
+    offloaded = parameter + gradient + optimizer_bytes if offload else 0
+    return StateBytes(parameter, gradient, optimizer_bytes, offloaded)
