@@ -18,6 +18,9 @@ class Sink(Protocol):
 
     def write(self, record: dict[str, Any]) -> None: ...
 
+    def rewind(self, step: int) -> None:
+        """Forget what an earlier run in the same directory wrote after `step`."""
+
     def close(self) -> None: ...
 
 
@@ -37,6 +40,8 @@ class MetricsLogger:
         path = output_dir / "metrics.jsonl"
         if enabled:
             rewind(path, start_step)
+        for sink in self._sinks:
+            sink.rewind(start_step)
         self._file = open(path, "a") if enabled else None  # noqa: SIM115
         self._bar = (
             tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)

@@ -9,14 +9,22 @@ The accelerate backend has no DeepSpeed engine, so a monitor is built from the s
 Events are placed where DeepSpeed places its own: `Train/Samples/<metric>` at x = samples seen
 (step x global batch). W&B drops any event whose step is lower than one already logged, and
 DeepSpeed logs at the sample count; events at the optimizer step would vanish from W&B.
+
+A run resumed in the directory of an earlier one rewinds the CSV and TensorBoard files to the
+step it resumes from, as it rewinds metrics.jsonl, so that the steps a crash lost after the last
+checkpoint are not there twice. W&B needs nothing: DeepSpeed starts a new W&B run in each process.
 """
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
 from typing import Any
 
 from deepspeed.monitor.config import get_monitor_config
+from deepspeed.monitor.csv_monitor import csvMonitor
 from deepspeed.monitor.monitor import MonitorMaster
+from deepspeed.monitor.tensorboard import TensorBoardMonitor
 
 from engine.backends import Backend, DeepSpeedEngineBackend
 from engine.metrics import Sink
@@ -80,6 +88,13 @@ class MonitorSink:
     def write(self, record: dict[str, Any]) -> None:
         self.monitor.write_events(record_events(record, self.samples_per_step, self.leave_out))
 
+    def rewind(self, step: int) -> None:
+        last = step * self.samples_per_step
+        if self.monitor.csv_monitor is not None:
+            _rewind_csv(self.monitor.csv_monitor, last)
+        if self.monitor.tb_monitor is not None:
+            _purge_tensorboard(self.monitor.tb_monitor, last + 1)
+
     def close(self) -> None:
         """TensorBoard events are flushed after every write already (DeepSpeed's default), so a
         rank ended by os._exit loses nothing; closing releases the file. W&B's run is finished
@@ -90,6 +105,32 @@ class MonitorSink:
             import wandb
 
             wandb.finish()
+
+
+def _rewind_csv(monitor: csvMonitor, last: int) -> None:
+    """Keep each file's header and its rows up to x = `last`. csvMonitor appends, and heads every
+    file it has not yet written in this process, so a resumed run would repeat the lost steps under
+    a second header; the files kept are marked as written."""
+    for path in sorted(Path(monitor.log_dir).glob("*.csv")):
+        with open(path, newline="") as handle:
+            rows = list(csv.reader(handle))
+        if not rows:
+            continue
+        kept = [rows[0], *(row for row in rows[1:] if row[0] != "step" and float(row[0]) <= last)]
+        if len(kept) != len(rows):
+            with open(path, "w", newline="") as handle:
+                csv.writer(handle).writerows(kept)
+        monitor.filenames.append(path.stem)
+
+
+def _purge_tensorboard(monitor: TensorBoardMonitor, first: int) -> None:
+    """TensorBoard's reader drops every earlier event at x >= `first` when a later one is a
+    SessionLog START at `first` (for event files of version 2 it looks for nothing else). It is
+    what torch's `SummaryWriter(purge_step=...)` writes; DeepSpeed builds its writer without one."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # installed whenever TensorBoard is on
+
+    monitor.summary_writer.file_writer.add_event(Event(step=first, session_log=SessionLog(status=SessionLog.START)))
+    monitor.summary_writer.flush()
 
 
 def build_sinks(deepspeed_config: dict[str, Any], backend: Backend) -> list[Sink]:

@@ -11,6 +11,7 @@ import torch
 
 from engine.checkpoint import LATEST, PARTIAL, latest_tag, prune, publish, resume_target
 from tests.support.launch import deepspeed_launcher, launch, read_run, run_launcher
+from tests.support.monitor import MONITORS, assert_monitors_rewound
 
 GPT = "configs/tiny_gpt.json"
 # Dropout draws from every rank's generator each step: resumes are exact only if RNG states are.
@@ -20,6 +21,7 @@ RUN = {
     "trainer.max_steps": 8,
     "trainer.save_interval": 2,
     "trainer.keep_checkpoints": 2,
+    **MONITORS,
 }
 
 
@@ -74,6 +76,8 @@ def assert_same_training(resumed: Path, straight: Path, from_step: int) -> None:
     assert final.keys() == expected.keys()
     for name in final:
         assert torch.equal(final[name], expected[name]), name
+    # The crashed run wrote the steps after the checkpoint already; the resumed one writes them again.
+    assert_monitors_rewound(resumed, straight, exact=("loss", "lr"))
 
 
 @pytest.mark.launch

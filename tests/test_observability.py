@@ -21,7 +21,7 @@ from engine.metrics import MetricsLogger
 from engine.plots import write_plots
 from engine.sinks import DEEPSPEED_ENGINE_EVENTS, MonitorSink, record_events
 from tests.support.launch import ROOT, free_port
-from tests.support.monitor import JOB_NAME, csv_values, tensorboard_values
+from tests.support.monitor import JOB_NAME, csv_rows, csv_values, tensorboard_events, tensorboard_values
 
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=1)
 GIB = 2**30
@@ -164,6 +164,38 @@ def test_monitor_sink_writes_csv_and_tensorboard_for_the_accelerate_backend(worl
         assert tensorboard_values(directory, f"Train/Samples/{key}") == pytest.approx(expected, rel=1e-6)
     rss = {r["step"] * batch: r["ranks"][1]["rss_bytes"] / GIB for r in records}
     assert tensorboard_values(directory, "Memory/Samples/rank1/rss_gib") == pytest.approx(rss, rel=1e-6)
+
+
+def test_a_resumed_run_rewinds_csv_and_tensorboard_to_its_step(world_of_one, tmp_path: Path):
+    """A run that logged steps 1-4 and crashed, resumed from its step-2 checkpoint, logs steps 3
+    and 4 again (other values: another process, another machine). Each CSV file keeps one header
+    and each step once, and TensorBoard's reader keeps only the resumed values."""
+    config = accelerate_config(tmp_path, "tensorboard.enabled=true", "csv_monitor.enabled=true")
+    deepspeed_config = config.deepspeed_config()
+    crashed = synthetic_records(4)
+    resumed = [{**record, "loss": -record["loss"]} for record in crashed[2:]]
+    for start_step, records in ((0, crashed), (2, resumed)):
+        sink = MonitorSink.from_config(deepspeed_config)
+        logger = MetricsLogger(
+            tmp_path, enabled=True, total_steps=4, start_step=start_step, progress_bar=False, sinks=[sink]
+        )
+        for record in records:
+            logger.log(record)
+        logger.close()
+
+    directory = tmp_path / "monitor" / JOB_NAME
+    batch = deepspeed_config["train_batch_size"]
+    steps = [record["step"] * batch for record in [*crashed[:2], *resumed]]
+    losses = [record["loss"] for record in [*crashed[:2], *resumed]]
+    expected = [[str(step), str(loss)] for step, loss in zip(steps, losses, strict=True)]
+    assert csv_rows(directory)["Train_Samples_loss"] == [["step", "loss"], *expected]
+    for name, rows in csv_rows(directory).items():
+        written = [int(row[0]) for row in rows[1:]]  # a second header would not parse
+        assert rows[0][0] == "step" and written == sorted(set(written)), name
+    events = tensorboard_events(directory, "Train/Samples/loss")
+    assert [step for step, _ in events] == steps
+    assert [value for _, value in events] == pytest.approx(losses, rel=1e-6)  # TensorBoard keeps float32
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == losses
 
 
 def test_no_sink_when_every_monitor_is_off(world_of_one, tmp_path: Path):

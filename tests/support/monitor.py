@@ -26,6 +26,36 @@ def csv_values(directory: Path, tag: str) -> dict[int, float]:
         return {int(step): float(value) for step, value in csv.reader(handle) if step != "step"}
 
 
+def csv_rows(directory: Path) -> dict[str, list[list[str]]]:
+    """Every CSV file of the monitor directory, by name, as its rows (header included)."""
+    rows = {}
+    for path in sorted(directory.glob("*.csv")):
+        with open(path, newline="") as handle:
+            rows[path.stem] = list(csv.reader(handle))
+    return rows
+
+
+def tensorboard_events(directory: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every scalar event for `tag` that TensorBoard's reader keeps, in order."""
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def assert_monitors_rewound(resumed: Path, straight: Path, exact: tuple[str, ...]) -> None:
+    """A run resumed in the directory of a crashed one holds, in every CSV file and in TensorBoard,
+    each step once, under one header, as the uninterrupted run does; and the same values for the
+    metrics in `exact` (the others are times and memory, which differ between runs)."""
+    resumed_rows, straight_rows = csv_rows(monitor_dir(resumed)), csv_rows(monitor_dir(straight))
+    assert resumed_rows.keys() == straight_rows.keys()
+    for name, rows in straight_rows.items():
+        assert [row[0] for row in resumed_rows[name]] == [row[0] for row in rows], name
+    for key in exact:
+        tag = f"Train/Samples/{key}"
+        assert resumed_rows[tag.replace("/", "_")] == straight_rows[tag.replace("/", "_")], key
+        assert tensorboard_events(monitor_dir(resumed), tag) == tensorboard_events(monitor_dir(straight), tag), key
+
+
 def tensorboard_values(directory: Path, tag: str) -> dict[int, float]:
     """{step: value} of every scalar event for `tag` in the event files of `directory`."""
     accumulator = EventAccumulator(str(directory))
