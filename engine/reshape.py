@@ -5,9 +5,10 @@ tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups). A resume on th
 it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes
 through DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut
 into the new partitions, Adam moments and schedule included, so training continues as if it had
-never stopped. The cases DeepSpeed cannot convert or load are refused here with the path that works:
-resume on the saving layout, let it export, and start the new layout from the export with
-`model.init_from` (weights only; the optimizer starts afresh).
+never stopped. The accelerate backend's torch distributed checkpoints reshard on load, at any
+process count, DDP or FSDP. The cases DeepSpeed cannot convert or load are refused here with the
+path that works: resume on the saving layout, let it export, and start the new layout from the
+export with `model.init_from` (weights only; the optimizer starts afresh).
 """
 
 from __future__ import annotations
@@ -99,15 +100,14 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"trainer.resume: checkpoint {tag_dir} was saved by the {saved['backend']} backend and this run "
             f"uses {current['backend']}; their checkpoint formats differ. {way_out}"
         )
+    # torch.distributed.checkpoint reshards on load: DDP's whole tensors and FSDP's row pieces are
+    # read into whatever this run holds, at any data-parallel size.
+    if current["backend"] == "accelerate":
+        return False
     same_partitions = all(saved[key] == current[key] for key in ("pipeline", "tensor", "zero_stage"))
     # ZeRO-0 keeps whole optimizer states, which load at any data-parallel size.
     if same_partitions and (saved["data"] == current["data"] or saved["zero_stage"] == 0):
         return False
-    if current["backend"] != "deepspeed":
-        raise ReshapeError(
-            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
-            f"the accelerate backend resumes only the layout that saved it. {way_out}"
-        )
     if 0 in (saved["zero_stage"], current["zero_stage"]):
         raise ReshapeError(
             f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "

@@ -332,6 +332,11 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
             f"resumed through a universal checkpoint: saved on {describe(prepared.saved_layout)}, "
             f"now {describe(checkpoint_layout(config))}"
         )
+    elif prepared.saved_layout is not None and describe(prepared.saved_layout) != describe(checkpoint_layout(config)):
+        logger.write(
+            f"resumed on another layout: saved on {describe(prepared.saved_layout)}, "
+            f"now {describe(checkpoint_layout(config))}"
+        )
 
     def save(step: int) -> None:
         save_checkpoint(

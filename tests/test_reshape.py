@@ -1,7 +1,8 @@
 """Checkpoints resumed on another layout (data-parallel size, ZeRO stage 1, 2 or 3, tensor and
-pipeline split) continue the run they came from: the losses and learning rates of the next steps match the
-uninterrupted run. Layouts DeepSpeed cannot convert are refused before anything loads, and an
-export moves weights between any two layouts."""
+pipeline split; under the accelerate backend any process count, DDP or FSDP) continue the run they
+came from: the losses and learning rates of the next steps match the uninterrupted run. Layouts
+DeepSpeed cannot convert are refused before anything loads, and an export moves weights between
+any two layouts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from engine.reshape import ReshapeError, layout_record, needs_conversion
-from tests.support.launch import Run, launch, read_run, run_single
+from tests.support.launch import Run, launch, launch_accelerate, read_run, run_single
 
 GPT = "configs/tiny_gpt.json"
 # A warm-up schedule, so a resume that lost the scheduler state would show in the learning rate.
@@ -21,11 +22,15 @@ STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": SCHEDU
 LOSS_TOLERANCE = 1e-5
 
 
-def resumed_from(source: Run, overrides: dict, output_dir: Path, nproc: int) -> Run:
+def resumed_from(source: Run, overrides: dict, output_dir: Path, nproc: int, accelerate: bool = False) -> Run:
     checkpoint = source.output_dir / "checkpoints" / "step00000003"
     overrides = {**STEPS, **overrides, "trainer.resume": str(checkpoint)}
     if nproc > 1:
+        if accelerate:
+            return launch_accelerate(GPT, overrides, output_dir, nproc=nproc)
         return launch(GPT, overrides, output_dir, nproc=nproc)
+    if accelerate:
+        overrides["trainer.backend"] = "accelerate"
     result = run_single(GPT, overrides, output_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_run(output_dir, result.stdout)
@@ -35,12 +40,12 @@ def resolved(run: Run) -> dict:
     return json.loads((run.output_dir / "resolved_config.json").read_text())
 
 
-def assert_continues(resumed: Run, source: Run) -> None:
+def assert_continues(resumed: Run, source: Run, how: str = "resumed through a universal checkpoint") -> None:
     assert [record["step"] for record in resumed.records] == [4, 5, 6]
     for mine, theirs in zip(resumed.records, source.records[3:], strict=True):
         assert abs(mine["loss"] - theirs["loss"]) <= LOSS_TOLERANCE, (resumed.losses, source.losses)
         assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-6)
-    assert "resumed through a universal checkpoint" in resumed.stdout
+    assert how in resumed.stdout
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +126,44 @@ def test_zero3_sub_groups_each_keep_their_own_adam_step(tmp_path: Path):
     assert_continues(resumed, source)
 
 
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch_accelerate(GPT, {**STEPS, "zero_optimization.stage": 3}, tmp_path_factory.mktemp("fsdp"))
+
+
+# torch.distributed.checkpoint reshards on load, so the accelerate backend needs no conversion.
+ACCELERATE_RESHAPES = {
+    "one_process": ({"zero_optimization.stage": 0, "gradient_accumulation_steps": 2}, 1),
+    "ddp": ({"zero_optimization.stage": 0}, 2),
+    "fsdp_grad_op": ({"zero_optimization.stage": 2}, 2),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", sorted(ACCELERATE_RESHAPES))
+def test_accelerate_fsdp_on_two_ranks_resumes_on_another_layout(fsdp: Run, name: str, tmp_path: Path):
+    """The tiny GPT's odd vocabulary leaves FSDP's two pieces of the embedding unequal; a whole
+    tensor (one process, DDP) or the other wrapper's pieces are read back from them."""
+    overrides, nproc = ACCELERATE_RESHAPES[name]
+    resumed = resumed_from(fsdp, overrides, tmp_path / name, nproc=nproc, accelerate=True)
+    assert_continues(resumed, fsdp, how="resumed on another layout")
+    final, expected = resumed.exported_state_dict(), fsdp.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for tensor in final:
+        torch.testing.assert_close(final[tensor], expected[tensor], rtol=0, atol=1e-5, msg=tensor)
+
+
+@pytest.mark.launch
+def test_accelerate_one_process_resumes_as_fsdp_on_two_ranks(tmp_path: Path):
+    """Whole tensors cut into FSDP's row pieces on load, Adam's moments with them."""
+    single = {**STEPS, "trainer.backend": "accelerate", "zero_optimization.stage": 0, "gradient_accumulation_steps": 2}
+    result = run_single(GPT, single, tmp_path / "one")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    source = read_run(tmp_path / "one", result.stdout)
+    resumed = resumed_from(source, {"zero_optimization.stage": 3}, tmp_path / "fsdp", nproc=2, accelerate=True)
+    assert_continues(resumed, source, how="resumed on another layout")
+
+
 @pytest.mark.launch
 def test_an_impossible_reshape_is_refused_before_loading(zero2: Run, tmp_path: Path):
     checkpoint = zero2.output_dir / "checkpoints" / "step00000003"
@@ -166,6 +209,8 @@ def layout(**changes) -> dict:
         (layout(zero_stage=3), layout(zero_stage=3, data=1), True),
         (layout(tensor=2, data=1, zero_stage=1), layout(data=2, zero_stage=1), True),
         (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
+        # torch.distributed.checkpoint reshards any accelerate checkpoint on load.
+        (layout(backend="accelerate", zero_stage=3), layout(backend="accelerate", zero_stage=0, data=1), False),
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
@@ -179,7 +224,6 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(zero_stage=0), layout(zero_stage=0, tensor=2), "ZeRO-0 keeps none"),
         (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),
-        (layout(backend="accelerate"), layout(backend="accelerate", data=1), "resumes only the layout"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),
         (layout(optimizer_groups=1), layout(data=1), 'one optimizer group .*weight_decay_on "all"'),
