@@ -58,9 +58,7 @@ def assert_monitors_rewound(resumed: Path, straight: Path, exact: tuple[str, ...
 
 def tensorboard_values(directory: Path, tag: str) -> dict[int, float]:
     """{step: value} of every scalar event for `tag` in the event files of `directory`."""
-    accumulator = EventAccumulator(str(directory))
-    accumulator.Reload()
-    return {event.step: event.value for event in accumulator.Scalars(tag)}
+    return dict(tensorboard_events(directory, tag))
 
 
 def assert_monitor_holds(output_dir: Path, key: str) -> dict[int, float]:
