@@ -115,10 +115,4 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             "ZeRO-0 keeps none. Use zero_optimization.stage 1 (the same arithmetic and memory as 0 on one "
             f"rank) on both sides, or: {way_out}"
         )
-    if saved["zero_stage"] == 3 and current["zero_stage"] != 3:
-        raise ReshapeError(
-            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
-            "DeepSpeed converts a ZeRO-3 checkpoint into a universal layout that only ZeRO-3 loads. Resume "
-            f"with zero_optimization.stage 3 (any data-parallel size), or: {way_out}"
-        )
     return True

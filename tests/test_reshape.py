@@ -114,6 +114,30 @@ def test_zero2_on_two_ranks_resumes_as_zero3_on_one(zero2: Run, tmp_path: Path):
     assert decays == [resolved(zero2)["optimizer"]["params"]["weight_decay"], 0.0]
 
 
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch(GPT, {**STEPS, "zero_optimization.stage": 3}, tmp_path_factory.mktemp("zero3"))
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage,nproc", [(2, 1), (1, 2)], ids=["zero2_on_one", "zero1_on_two"])
+def test_zero3_on_two_ranks_resumes_as_zero1_or_zero2(zero3: Run, stage: int, nproc: int, tmp_path: Path):
+    """DeepSpeed's conversion of a ZeRO-3 checkpoint is written for ZeRO-3's loader only; the
+    engine rewrites it so ZeRO-1/2's loader reads the weights, both moments, the step and the
+    decay of each group."""
+    overrides = {"zero_optimization.stage": stage, "gradient_accumulation_steps": 2 // nproc}
+    resumed = resumed_from(zero3, overrides, tmp_path / f"zero{stage}", nproc=nproc)
+    assert_continues(resumed, zero3)
+    final, expected = resumed.exported_state_dict(), zero3.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=1e-5, msg=name)
+    (optimizer_file,) = (resumed.output_dir / "checkpoints" / "step00000006").glob("*rank_0_*optim_states.pt")
+    saved = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    decays = [group["weight_decay"] for group in saved["base_optimizer_state"]["param_groups"]]
+    assert decays == [resolved(zero3)["optimizer"]["params"]["weight_decay"], 0.0]
+
+
 @pytest.mark.launch
 def test_zero3_sub_groups_each_keep_their_own_adam_step(tmp_path: Path):
     """One optimizer group that ZeRO-3 steps in sub-groups, as it steps any model of more than
@@ -207,6 +231,7 @@ def layout(**changes) -> dict:
         (layout(), layout(zero_stage=1), True),
         (layout(), layout(zero_stage=3, data=1), True),
         (layout(zero_stage=3), layout(zero_stage=3, data=1), True),
+        (layout(zero_stage=3), layout(zero_stage=2, data=1), True),
         (layout(tensor=2, data=1, zero_stage=1), layout(data=2, zero_stage=1), True),
         (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
         # torch.distributed.checkpoint reshards any accelerate checkpoint on load.
@@ -220,7 +245,6 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
 @pytest.mark.parametrize(
     "saved,current,message",
     [
-        (layout(zero_stage=3), layout(zero_stage=2), "only ZeRO-3 loads"),
         (layout(zero_stage=0), layout(zero_stage=0, tensor=2), "ZeRO-0 keeps none"),
         (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),

@@ -24,6 +24,10 @@ from typing import Any
 
 import torch
 from deepspeed.checkpoint.constants import (
+    CLIP_GRAD,
+    DS_VERSION,
+    OPTIMIZER_STATE_DICT,
+    PARAM,
     PARAMETER_TO_AVERAGE_PATTERNS,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
     PARAMETER_WITH_SUB_PARAMS,
@@ -123,8 +127,32 @@ def convert_to_universal(tag_dir: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         output = result.stdout[-2000:] + result.stderr[-3000:]
         raise RuntimeError(f"ds_to_universal could not convert {tag_dir}:\n{output}")
+    _zero12_optimizer_state(staging)
     os.replace(staging, target)
     return target
+
+
+def _zero12_optimizer_state(universal_dir: Path) -> None:
+    """Make a ZeRO-3 conversion loadable by ZeRO-1/2 too. DeepSpeed converts a ZeRO-3 checkpoint
+    into files only ZeRO-3's loader reads: each state a bare flat tensor, the Adam step and the
+    DeepSpeed version only in the common state. ZeRO-1/2's loader wants each state as
+    `{"param": tensor}` (a flat one is cut the same way), a `step.pt` beside each parameter's states,
+    and the version and clipping in the common state. ZeRO-3's loader reads either form, so the
+    conversion is rewritten in place, before it is published."""
+    zero = universal_dir / "zero"
+    common = torch.load(zero / "optimizer_state.pt", weights_only=False)
+    if DS_VERSION in common:
+        return
+    (model_states,) = universal_dir.glob(ZERO3_PREFIX + "mp_rank_*_model_states.pt")
+    saved = torch.load(model_states, map_location="cpu", weights_only=False)
+    common[DS_VERSION] = saved[DS_VERSION]
+    common[CLIP_GRAD] = saved["ds_config"].get("gradient_clipping", 0.0)
+    step = common[OPTIMIZER_STATE_DICT]["state"][0]["step"]  # as ZeRO-3's loader reads it: one for all
+    for folder in (path for path in zero.iterdir() if path.is_dir()):
+        for path in folder.glob("*.pt"):
+            torch.save({PARAM: torch.load(path, weights_only=False)}, path)
+        torch.save(step.clone(), folder / "step.pt")
+    torch.save(common, zero / "optimizer_state.pt")
 
 
 def loading_view(universal_dir: Path, saved: Mapping[str, str], wanted: Mapping[str, str], view_dir: Path) -> None:
