@@ -116,7 +116,7 @@ def _rewind_csv(monitor: csvMonitor, last: int) -> None:
             rows = list(csv.reader(handle))
         if not rows:
             continue
-        kept = [rows[0], *(row for row in rows[1:] if row[0] != "step" and float(row[0]) <= last)]
+        kept = [rows[0], *(row for row in rows[1:] if row and row[0] != "step" and float(row[0]) <= last)]
         if len(kept) != len(rows):
             with open(path, "w", newline="") as handle:
                 csv.writer(handle).writerows(kept)
