@@ -327,16 +327,12 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
         + (", compiled (torch.compile)" if backend.compiled else "")
         + (f", resuming at step {start_step}" if start_step else "")
     )
-    if prepared.reshape:
-        logger.write(
-            f"resumed through a universal checkpoint: saved on {describe(prepared.saved_layout)}, "
-            f"now {describe(checkpoint_layout(config))}"
-        )
-    elif prepared.saved_layout is not None and describe(prepared.saved_layout) != describe(checkpoint_layout(config)):
-        logger.write(
-            f"resumed on another layout: saved on {describe(prepared.saved_layout)}, "
-            f"now {describe(checkpoint_layout(config))}"
-        )
+    if prepared.saved_layout is not None:
+        saved, now = describe(prepared.saved_layout), describe(checkpoint_layout(config))
+        if prepared.reshape:
+            logger.write(f"resumed through a universal checkpoint: saved on {saved}, now {now}")
+        elif saved != now:
+            logger.write(f"resumed on another layout: saved on {saved}, now {now}")
 
     def save(step: int) -> None:
         save_checkpoint(
