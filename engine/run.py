@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
-from engine.backends import Backend, DeepSpeedEngineBackend, PipelineBackend, build_backend
+from engine.backends import Backend, PipelineBackend, build_backend
 from engine.checkpoint import checkpoint_root, load_rng_state, resume_target, save_checkpoint, step_tag
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
@@ -39,7 +39,7 @@ from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
 from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
-from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal, saved_names
+from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
 from engine.rank_logs import RankOutput, capture_rank_output
 from engine.reshape import describe, layout_record, needs_conversion, read_layout
@@ -246,14 +246,12 @@ def _is_communication_error(error: Exception) -> bool:
     )
 
 
-def reshape_checkpoint(tag_dir: Path) -> Path:
+def reshape_checkpoint(tag_dir: Path) -> None:
     """Rank 0 converts checkpoint `tag_dir` to a universal one (once: it is kept); the others wait."""
-    universal = tag_dir / UNIVERSAL_FOLDER
-    if is_main_process() and not universal.is_dir():
+    if is_main_process() and not (tag_dir / UNIVERSAL_FOLDER).is_dir():
         print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
         convert_to_universal(tag_dir)
     barrier()
-    return universal
 
 
 def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[[int], None] | None = None) -> None:
@@ -267,13 +265,12 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
     if prepared.reshape:
-        universal = reshape_checkpoint(prepared.resume[0] / prepared.resume[1])
+        reshape_checkpoint(prepared.resume[0] / prepared.resume[1])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision], prepared.reshape)
     start_step = 0
     if prepared.resume is not None:
         if prepared.reshape:
-            assert isinstance(backend, DeepSpeedEngineBackend)
-            saved = backend.load_universal(universal, saved_names(prepared.resume[0] / prepared.resume[1]))
+            saved = backend.load_universal(prepared.resume[0] / prepared.resume[1])
         else:
             saved = backend.load(*prepared.resume)
         start_step = int(saved["step"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.parallel.universal import save_names, saved_buffers
 from engine.reshape import ReshapeError, layout_record, needs_conversion
 from tests.support.launch import Run, launch, launch_accelerate, read_run, run_single
 
@@ -22,16 +23,18 @@ STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": SCHEDU
 LOSS_TOLERANCE = 1e-5
 
 
-def resumed_from(source: Run, overrides: dict, output_dir: Path, nproc: int, accelerate: bool = False) -> Run:
+def resumed_from(
+    source: Run, overrides: dict, output_dir: Path, nproc: int, accelerate: bool = False, config: str = GPT
+) -> Run:
     checkpoint = source.output_dir / "checkpoints" / "step00000003"
     overrides = {**STEPS, **overrides, "trainer.resume": str(checkpoint)}
     if nproc > 1:
         if accelerate:
-            return launch_accelerate(GPT, overrides, output_dir, nproc=nproc)
-        return launch(GPT, overrides, output_dir, nproc=nproc)
+            return launch_accelerate(config, overrides, output_dir, nproc=nproc)
+        return launch(config, overrides, output_dir, nproc=nproc)
     if accelerate:
         overrides["trainer.backend"] = "accelerate"
-    result = run_single(GPT, overrides, output_dir)
+    result = run_single(config, overrides, output_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_run(output_dir, result.stdout)
 
@@ -46,6 +49,14 @@ def assert_continues(resumed: Run, source: Run, how: str = "resumed through a un
         assert abs(mine["loss"] - theirs["loss"]) <= LOSS_TOLERANCE, (resumed.losses, source.losses)
         assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-6)
     assert how in resumed.stdout
+
+
+def assert_same_weights(resumed: Run, source: Run, atol: float = 1e-5) -> None:
+    """The final exports agree: every parameter and persistent buffer (batch-norm statistics too)."""
+    final, expected = resumed.exported_state_dict(), source.exported_state_dict()
+    assert final.keys() == expected.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +91,7 @@ def test_pipeline_and_tensor_shards_resume_exactly_on_their_own_layout(pipeline_
     assert [record["step"] for record in resumed.records] == [4, 5, 6]
     assert resumed.losses == pipeline_tensor.losses[3:]
     assert "universal" not in resumed.stdout
-    final, expected = resumed.exported_state_dict(), pipeline_tensor.exported_state_dict()
-    assert final.keys() == expected.keys()
-    for name in final:
-        assert torch.equal(final[name], expected[name]), name
+    assert_same_weights(resumed, pipeline_tensor, atol=0.0)
 
 
 @pytest.mark.launch
@@ -92,10 +100,7 @@ def test_pipeline_and_tensor_shards_resume_as_one_process(pipeline_tensor: Run, 
     tensor shards joined; "auto" keeps the vocabulary the checkpoint padded for two shards."""
     resumed = resumed_from(pipeline_tensor, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1)
     assert_continues(resumed, pipeline_tensor)
-    final, expected = resumed.exported_state_dict(), pipeline_tensor.exported_state_dict()
-    assert final.keys() == expected.keys()
-    for name in final:
-        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=1e-5, msg=name)
+    assert_same_weights(resumed, pipeline_tensor)
 
 
 @pytest.mark.launch
@@ -128,10 +133,7 @@ def test_zero3_on_two_ranks_resumes_as_zero1_or_zero2(zero3: Run, stage: int, np
     overrides = {"zero_optimization.stage": stage, "gradient_accumulation_steps": 2 // nproc}
     resumed = resumed_from(zero3, overrides, tmp_path / f"zero{stage}", nproc=nproc)
     assert_continues(resumed, zero3)
-    final, expected = resumed.exported_state_dict(), zero3.exported_state_dict()
-    assert final.keys() == expected.keys()
-    for name in final:
-        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=1e-5, msg=name)
+    assert_same_weights(resumed, zero3)
     (optimizer_file,) = (resumed.output_dir / "checkpoints" / "step00000006").glob("*rank_0_*optim_states.pt")
     saved = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     decays = [group["weight_decay"] for group in saved["base_optimizer_state"]["param_groups"]]
@@ -171,10 +173,7 @@ def test_accelerate_fsdp_on_two_ranks_resumes_on_another_layout(fsdp: Run, name:
     overrides, nproc = ACCELERATE_RESHAPES[name]
     resumed = resumed_from(fsdp, overrides, tmp_path / name, nproc=nproc, accelerate=True)
     assert_continues(resumed, fsdp, how="resumed on another layout")
-    final, expected = resumed.exported_state_dict(), fsdp.exported_state_dict()
-    assert final.keys() == expected.keys()
-    for tensor in final:
-        torch.testing.assert_close(final[tensor], expected[tensor], rtol=0, atol=1e-5, msg=tensor)
+    assert_same_weights(resumed, fsdp)
 
 
 @pytest.mark.launch
@@ -186,6 +185,59 @@ def test_accelerate_one_process_resumes_as_fsdp_on_two_ranks(tmp_path: Path):
     source = read_run(tmp_path / "one", result.stdout)
     resumed = resumed_from(source, {"zero_optimization.stage": 3}, tmp_path / "fsdp", nproc=2, accelerate=True)
     assert_continues(resumed, source, how="resumed on another layout")
+
+
+# A DeepSpeed checkpoint resumed under the accelerate backend, through its universal form.
+DEEPSPEED_TO_ACCELERATE = {
+    "zero2_as_fsdp_on_two": ("zero2", {"zero_optimization.stage": 3}, 2),
+    "zero3_as_one_process": ("zero3", {"zero_optimization.stage": 0, "gradient_accumulation_steps": 2}, 1),
+    # The pipeline run's global batch of 2 (one data-parallel replica) as one sample per DDP rank.
+    "pipeline_tensor_as_ddp_on_two": (
+        "pipeline_tensor",
+        {"zero_optimization.stage": 0, "train_micro_batch_size_per_gpu": 1},
+        2,
+    ),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_TO_ACCELERATE))
+def test_deepspeed_checkpoint_resumes_under_accelerate(name: str, request: pytest.FixtureRequest, tmp_path: Path):
+    """Whole fp32 weights and Adam moments from the universal form, cut by torch into FSDP's row
+    pieces or DDP's whole tensors; the LR schedule and step from DeepSpeed's engine state."""
+    fixture, overrides, nproc = DEEPSPEED_TO_ACCELERATE[name]
+    source = request.getfixturevalue(fixture)
+    resumed = resumed_from(source, overrides, tmp_path / name, nproc=nproc, accelerate=True)
+    assert_continues(resumed, source)
+    assert_same_weights(resumed, source)
+
+
+RESNET = "configs/tiny_resnet.json"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "saved,accelerate",
+    [
+        ({"zero_optimization.stage": 2}, False),
+        ({"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2}, True),
+    ],
+    ids=["zero2_as_zero1", "pipeline_as_accelerate"],
+)
+def test_batch_norm_statistics_survive_a_reshape(saved: dict, accelerate: bool, tmp_path: Path):
+    """The universal form holds parameters only, and DeepSpeed's universal load skips the module
+    state: its ResNet resumed with fresh running statistics (an eval loss of 2.080 where the
+    uninterrupted run had 2.159). The engine restores them from the saved module states, per
+    tensor-parallel rank (ZeRO-2 on two ranks) or per pipeline layer. DeepSpeed saves rank 0's
+    statistics only (each rank keeps its own), so each resume keeps rank 0's samples, and the
+    export, also rank 0's, holds them."""
+    source = launch(RESNET, {**STEPS, **saved}, tmp_path / "source")
+    overrides = {"zero_optimization.stage": 1 if not accelerate else 0}
+    resumed = resumed_from(
+        source, overrides, tmp_path / "resumed", nproc=1 if accelerate else 2, accelerate=accelerate, config=RESNET
+    )
+    assert_continues(resumed, source)
+    assert_same_weights(resumed, source)
 
 
 @pytest.mark.launch
@@ -236,6 +288,9 @@ def layout(**changes) -> dict:
         (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
         # torch.distributed.checkpoint reshards any accelerate checkpoint on load.
         (layout(backend="accelerate", zero_stage=3), layout(backend="accelerate", zero_stage=0, data=1), False),
+        # The accelerate backend reads a DeepSpeed checkpoint through its universal form, even on the same layout.
+        (layout(), layout(backend="accelerate"), True),
+        (layout(zero_stage=1, pipeline=2, tensor=2, data=1), layout(backend="accelerate", zero_stage=0), True),
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
@@ -248,6 +303,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(zero_stage=0), layout(zero_stage=0, tensor=2), "ZeRO-0 keeps none"),
         (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),
+        (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "ZeRO-0 keeps none"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),
         (layout(optimizer_groups=1), layout(data=1), 'one optimizer group .*weight_decay_on "all"'),
@@ -260,3 +316,14 @@ def test_impossible_reshapes_name_the_way_out(saved: dict, current: dict, messag
         needs_conversion(saved, current, tmp_path)
     if "vocab" not in message:
         assert "model.init_from" in str(refusal.value)
+
+
+def test_saved_buffers_are_read_by_the_unsplit_model_names(tmp_path: Path):
+    """A pipeline layer's file holds its buffers under the layer's own names; the names record
+    maps the pipeline module's (layer index first) to the whole model's."""
+    torch.save({"module": None}, tmp_path / "mp_rank_00_model_states.pt")
+    torch.save({"bn.running_mean": torch.ones(2)}, tmp_path / "layer_03-model_00-model_states.pt")
+    save_names(tmp_path, 0, {"3.bn.running_mean": "stages.1.bn.running_mean"})
+    assert saved_buffers(tmp_path, ["stages.1.bn.running_mean"])["stages.1.bn.running_mean"].tolist() == [1.0, 1.0]
+    with pytest.raises(KeyError, match=f"checkpoint {tmp_path} holds no saved buffer stages.1.bn.running_var"):
+        saved_buffers(tmp_path, ["stages.1.bn.running_mean", "stages.1.bn.running_var"])

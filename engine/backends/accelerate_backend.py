@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
+from engine.parallel.universal_to_torch import torch_state
 from models import ModelFamily
 
 _ENGINE_STATE = "engine_state.pt"
@@ -208,7 +209,7 @@ class AccelerateBackend(Backend):
         if not (path / _ENGINE_STATE).is_file():
             raise FileNotFoundError(
                 f"{path} is not a checkpoint of the accelerate backend (no {_ENGINE_STATE}); a DeepSpeed "
-                "checkpoint resumes under the DeepSpeed backend"
+                "checkpoint saved without its layout (layout.json) resumes under the DeepSpeed backend only"
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
@@ -218,6 +219,22 @@ class AccelerateBackend(Backend):
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         return saved["client_state"]
+
+    def load_universal(self, tag_dir: Path) -> dict[str, Any]:
+        """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
+        rank holds (`engine/parallel/universal_to_torch.py`)."""
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        state = torch_state(tag_dir, module, self.optimizer)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state.model,
+            optim_state_dict=state.optimizer,
+            options=StateDictOptions(full_state_dict=True),
+        )
+        if self.scheduler is not None and state.scheduler is not None:
+            self.scheduler.load_state_dict(state.scheduler)
+        return state.client
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         # The live model holds exactly what checkpoint `tag` saved: it is the last save of the run.

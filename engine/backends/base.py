@@ -87,6 +87,11 @@ class Backend(ABC):
         """Every rank restores checkpoint `tag`; returns the client state saved with it."""
 
     @abstractmethod
+    def load_universal(self, tag_dir: Path) -> dict[str, Any]:
+        """Every rank restores checkpoint `tag_dir`, saved on another layout, from the universal form
+        `engine.run.reshape_checkpoint` converted it to; returns the client state saved with it."""
+
+    @abstractmethod
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         """The full fp32 weights of the model as saved in checkpoint `tag`: on rank 0, None elsewhere.
 

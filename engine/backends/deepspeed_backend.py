@@ -25,7 +25,16 @@ from engine.backends.base import Backend, Batch, to_device
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import parameter_groups
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
-from engine.parallel.universal import canonical_names, loading_view, merged_info, save_names, universal_info
+from engine.parallel.universal import (
+    UNIVERSAL_FOLDER,
+    canonical_names,
+    loading_view,
+    merged_info,
+    restore_buffers,
+    save_names,
+    saved_names,
+    universal_info,
+)
 from models import ModelFamily
 
 
@@ -144,22 +153,24 @@ class DeepSpeedEngineBackend(Backend):
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
         return client_state or {}
 
-    def load_universal(self, universal_dir: Path, saved_names: dict[str, str]) -> dict[str, Any]:
-        """Restore from a universal checkpoint (built with `checkpoint.load_universal` on), under this
-        run's parameter names: rank 0 links a view of it that every rank then loads its partitions from.
+    def load_universal(self, tag_dir: Path) -> dict[str, Any]:
+        """Restore from the universal form of `tag_dir` (built with `checkpoint.load_universal` on),
+        under this run's parameter names: rank 0 links a view of it that every rank then loads its
+        partitions from.
 
         Collective: the names of every pipeline stage are gathered for the view."""
         names: list[dict[str, str] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(names, canonical_names(self.engine.module, self._names))
-        view = universal_dir.parent / "views" / f"world{dist.get_world_size()}"
+        view = tag_dir / "views" / f"world{dist.get_world_size()}"
         if dist.get_rank() == 0:
             wanted = {local: canonical for rank_names in names for local, canonical in (rank_names or {}).items()}
-            loading_view(universal_dir, saved_names, wanted, view)
+            loading_view(tag_dir / UNIVERSAL_FOLDER, saved_names(tag_dir), wanted, view)
         dist.barrier()
         decays = [group["weight_decay"] for group in self.engine.optimizer.param_groups]
         client_state = self.load(view.parent, view.name)
         if self.engine.zero_optimization_stage() == 3:
             _mend_zero3_universal_load(self.engine.optimizer, decays)
+        restore_buffers(self.engine.module, self._names, tag_dir)
         return client_state
 
     def grad_norm(self) -> float | None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,11 @@ def merged_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def canonical_names(module: nn.Module, names: Mapping[int, str]) -> dict[str, str]:
-    """This rank's parameter names mapped to the unsplit model's (`names`: by tensor identity)."""
-    return {local: names[id(parameter)] for local, parameter in module.named_parameters() if id(parameter) in names}
+    """This rank's parameter and buffer names mapped to the unsplit model's (`names`: by tensor
+    identity). The buffers are for a resume under the accelerate backend, which reads them from
+    the saved module states (`universal_to_torch`); the universal form has parameters only."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {local: names[id(tensor)] for local, tensor in tensors if id(tensor) in names}
 
 
 def save_names(tag_dir: Path, rank: int, names: Mapping[str, str]) -> None:
@@ -108,6 +111,40 @@ def saved_names(tag_dir: Path) -> dict[str, str]:
     for path in sorted((tag_dir / "names").glob("rank*.json")):
         merged.update(json.loads(path.read_text()))
     return merged
+
+
+def saved_buffers(tag_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The persistent buffers `wanted` (a ResNet's batch-norm statistics, by the unsplit model's
+    names) as checkpoint `tag_dir` saved them. The universal form holds parameters only, and
+    DeepSpeed's universal load skips the module state where the buffers are; so they are read from
+    the module states DeepSpeed saved: one file per tensor-parallel rank, or under a pipeline one
+    per layer (`layer_NN-...`, the layer named `NN` in the pipeline module)."""
+    canonical = saved_names(tag_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(tag_dir.glob("*model_states.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if path.name.startswith("layer_"):
+            prefix = str(int(path.name.removeprefix("layer_").split("-")[0])) + "."
+        else:
+            state, prefix = state.get("module") or {}, ""
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[canonical.get(prefix + key, prefix + key)] = value
+    missing = [name for name in wanted if name not in tensors]
+    if missing:
+        raise KeyError(f"checkpoint {tag_dir} holds no saved buffer {', '.join(missing)}")
+    return {name: tensors[name] for name in wanted}
+
+
+def restore_buffers(module: nn.Module, names: Mapping[int, str], tag_dir: Path) -> None:
+    """Copy the persistent buffers of checkpoint `tag_dir` into this rank's (`names`: the unsplit
+    model's name of each tensor, by identity)."""
+    parameters = {id(parameter) for parameter in module.parameters()}
+    buffers = [tensor for tensor in module.state_dict(keep_vars=True).values() if id(tensor) not in parameters]
+    saved = saved_buffers(tag_dir, [names[id(buffer)] for buffer in buffers])
+    with torch.no_grad():
+        for buffer in buffers:
+            buffer.copy_(saved[names[id(buffer)]])
 
 
 def convert_to_universal(tag_dir: Path) -> Path:
