@@ -1,9 +1,9 @@
 """Where checkpoints live, how one is published, and which one a resume picks.
 
 Layout: <output_dir>/checkpoints/step00000010/ (one tag per saved step, DeepSpeed's or the
-accelerate backend's files inside, plus every rank's RNG state, the saving layout and, once a
-resume on another layout has converted it, its universal form) and a `latest` file naming the
-newest complete tag. A tag name that sorts by step keeps `ls` readable.
+accelerate backend's files inside, plus every rank's RNG state and persistent buffers, the saving
+layout and, once a resume on another layout has converted it, its universal form) and a `latest`
+file naming the newest complete tag. A tag name that sorts by step keeps `ls` readable.
 
 Publishing is what makes a checkpoint trustworthy. Every rank writes into `<tag>.partial`; only
 after all ranks have finished does rank 0 rename it to `<tag>` and then replace `latest`, each an
@@ -19,7 +19,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ def save_checkpoint(
     step: int,
     keep_last: int,
     layout: dict[str, Any],
+    buffers: Mapping[str, torch.Tensor],
     before_publish: Callable[[], None] = lambda: None,
 ) -> str:
     """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
@@ -101,6 +102,7 @@ def save_checkpoint(
     barrier()
     write(root, staging)
     save_rng_state(root / staging, env_rank())
+    save_rank_buffers(root / staging, env_rank(), buffers)
     if env_rank() == 0:
         write_layout(root / staging, layout)
     before_publish()
@@ -167,4 +169,34 @@ def load_rng_state(directory: Path, rank: int) -> bool:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    return True
+
+
+def _buffers_path(directory: Path, rank: int) -> Path:
+    return directory / "buffers" / f"rank{rank}.pt"
+
+
+def save_rank_buffers(directory: Path, rank: int, buffers: Mapping[str, torch.Tensor]) -> None:
+    """Each rank's persistent buffers (a ResNet's batch-norm statistics, which every rank updates
+    from its own samples): DeepSpeed's and torch's checkpoints keep one rank's copy, and a resume
+    that gave rank 0's to every rank would evaluate differently from the uninterrupted run."""
+    if not buffers:
+        return
+    path = _buffers_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({name: tensor.detach().cpu() for name, tensor in buffers.items()}, path)
+
+
+def load_rank_buffers(directory: Path, rank: int, buffers: Mapping[str, torch.Tensor]) -> bool:
+    """Copy this rank's saved buffers into `buffers` when the checkpoint has the same ones for this
+    rank; False otherwise (another split names them differently; the backend's load then stands)."""
+    path = _buffers_path(directory, rank)
+    if not path.is_file():
+        return False
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if saved.keys() != buffers.keys():
+        return False
+    with torch.no_grad():
+        for name, tensor in buffers.items():
+            tensor.copy_(saved[name])
     return True

@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
 from engine.backends import Backend, PipelineBackend, build_backend
-from engine.checkpoint import checkpoint_root, load_rng_state, resume_target, save_checkpoint, step_tag
+from engine.checkpoint import (
+    checkpoint_root,
+    load_rank_buffers,
+    load_rng_state,
+    resume_target,
+    save_checkpoint,
+    step_tag,
+)
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import (
     barrier,
@@ -274,9 +281,10 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
         else:
             saved = backend.load(*prepared.resume)
         start_step = int(saved["step"])
-        # Generators continue where they were only on the layout that saved them.
+        # Generators and each rank's buffers continue where they were only on the layout that saved them.
         if saved.get("world_size") == config.world_size:
             load_rng_state(prepared.resume[0] / prepared.resume[1], env_rank())
+            load_rank_buffers(prepared.resume[0] / prepared.resume[1], env_rank(), backend.local_buffers())
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
     batches = make_train_loader(
@@ -338,6 +346,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
             step,
             keep_last=trainer["keep_checkpoints"],
             layout=checkpoint_layout(config),
+            buffers=backend.local_buffers(),
             before_publish=lambda: inject(prepared.fault, env_rank(), "save", step),
         )
 

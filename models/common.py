@@ -57,3 +57,10 @@ def check_state_dict(expected: Mapping[str, torch.Tensor], given: Mapping[str, t
     ]
     if problems:
         raise ValueError("state dict does not match the configured model; " + "; ".join(problems))
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds (a ResNet's batch-norm statistics), by name: the model's state
+    that no optimizer keeps and that each rank updates on its own."""
+    parameters = {id(parameter) for parameter in module.parameters()}
+    return {name: tensor for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) not in parameters}

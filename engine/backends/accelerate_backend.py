@@ -40,6 +40,7 @@ from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.parallel.universal_to_torch import torch_state
 from models import ModelFamily
+from models.common import persistent_buffers
 
 _ENGINE_STATE = "engine_state.pt"
 
@@ -220,11 +221,17 @@ class AccelerateBackend(Backend):
             self.scheduler.load_state_dict(saved["scheduler"])
         return saved["client_state"]
 
+    def _unwrapped(self) -> torch.nn.Module:
+        """The model under its own names (FSDP2 wraps in place; DDP holds it as `module`)."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self._unwrapped())
+
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
         rank holds (`engine/parallel/universal_to_torch.py`)."""
-        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        state = torch_state(tag_dir, module, self.optimizer)
+        state = torch_state(tag_dir, self._unwrapped(), self.optimizer)
         set_state_dict(
             self.model,
             self.optimizer,

@@ -87,6 +87,10 @@ class Backend(ABC):
         """Every rank restores checkpoint `tag`; returns the client state saved with it."""
 
     @abstractmethod
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's persistent buffers by its own names (`models.common.persistent_buffers`)."""
+
+    @abstractmethod
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """Every rank restores checkpoint `tag_dir`, saved on another layout, from the universal form
         `engine.run.reshape_checkpoint` converted it to; returns the client state saved with it."""

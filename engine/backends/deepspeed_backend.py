@@ -36,6 +36,7 @@ from engine.parallel.universal import (
     universal_info,
 )
 from models import ModelFamily
+from models.common import persistent_buffers
 
 
 def fp32_grad_norm(
@@ -152,6 +153,9 @@ class DeepSpeedEngineBackend(Backend):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
         return client_state or {}
+
+    def local_buffers(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self.engine.module)
 
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """Restore from the universal form of `tag_dir` (built with `checkpoint.load_universal` on),

@@ -38,6 +38,7 @@ from deepspeed.checkpoint.constants import (
 )
 from torch import nn
 
+from models.common import persistent_buffers
 from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
 
 UNIVERSAL_FOLDER = "universal"
@@ -139,8 +140,7 @@ def saved_buffers(tag_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tenso
 def restore_buffers(module: nn.Module, names: Mapping[int, str], tag_dir: Path) -> None:
     """Copy the persistent buffers of checkpoint `tag_dir` into this rank's (`names`: the unsplit
     model's name of each tensor, by identity)."""
-    parameters = {id(parameter) for parameter in module.parameters()}
-    buffers = [tensor for tensor in module.state_dict(keep_vars=True).values() if id(tensor) not in parameters]
+    buffers = persistent_buffers(module).values()
     saved = saved_buffers(tag_dir, [names[id(buffer)] for buffer in buffers])
     with torch.no_grad():
         for buffer in buffers:

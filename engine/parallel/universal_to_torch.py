@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.parallel.consolidate import tensor_names
 from engine.parallel.universal import UNIVERSAL_FOLDER, ZERO3_PREFIX, saved_buffers, saved_names
+from models.common import persistent_buffers
 
 # What DeepSpeed's own `load_checkpoint` keeps out of the client state it returns.
 _DEEPSPEED_STATES = {
@@ -55,7 +56,7 @@ def torch_state(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimize
     engine_state = _engine_state(universal_dir)
     parameter_names = {id(parameter): name for name, parameter in model.named_parameters()}
     tensors = model.state_dict(keep_vars=True)
-    buffers = saved_buffers(tag_dir, [names[id(t)] for t in tensors.values() if id(t) not in parameter_names])
+    buffers = saved_buffers(tag_dir, [names[id(buffer)] for buffer in persistent_buffers(model).values()])
     model_state: dict[str, torch.Tensor] = {}
     adam_state: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
