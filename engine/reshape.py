@@ -6,10 +6,11 @@ it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-
 through DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut
 into the new partitions, Adam moments and schedule included, so training continues as if it had
 never stopped. The accelerate backend's torch distributed checkpoints reshard on load, at any
-process count, DDP or FSDP, and it reads a DeepSpeed checkpoint through the same universal form
-(`engine/parallel/universal_to_torch.py`). The cases that cannot convert or load are refused here
-with the path that works: resume on the saving layout, let it export, and start the new layout
-from the export with `model.init_from` (weights only; the optimizer starts afresh).
+process count, DDP or FSDP; across backends both ways go through the universal form
+(`engine/parallel/universal_to_torch.py`, `torch_to_universal.py`). The cases that cannot convert
+or load are refused here with the path that works: resume on the saving layout, let it export, and
+start the new layout from the export with `model.init_from` (weights only; the optimizer starts
+afresh).
 """
 
 from __future__ import annotations
@@ -96,26 +97,28 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"{_GROUPS[current['optimizer_groups']]}; optimizer states load group by group. Resume with the "
             f"grouping it was saved with ({_SETTINGS[saved_groups]}), or: {way_out}"
         )
-    if saved["backend"] == "accelerate" and current["backend"] == "deepspeed":
-        raise ReshapeError(
-            f"trainer.resume: checkpoint {tag_dir} was saved by the accelerate backend and this run uses "
-            f"deepspeed; DeepSpeed reads no torch distributed checkpoint. {way_out}"
-        )
     # torch.distributed.checkpoint reshards on load: DDP's whole tensors and FSDP's row pieces are
     # read into whatever this run holds, at any data-parallel size.
-    if saved["backend"] == "accelerate":
+    if saved["backend"] == "accelerate" and current["backend"] == "accelerate":
         return False
+    if saved["backend"] == "accelerate" and current["tensor"] > 1:
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
+            "DeepSpeed cuts a universal checkpoint into tensor-parallel shards by what its converter recorded "
+            "of the saving run's shards, and the accelerate backend has none. Resume it under DeepSpeed with "
+            f"parallel.tensor_parallel_size 1 and save, then reshape that checkpoint, or: {way_out}"
+        )
     same_partitions = all(saved[key] == current[key] for key in ("pipeline", "tensor", "zero_stage"))
     # ZeRO-0 keeps whole optimizer states, which load at any data-parallel size.
     if (
-        current["backend"] == "deepspeed"
+        saved["backend"] == current["backend"] == "deepspeed"
         and same_partitions
         and (saved["data"] == current["data"] or saved["zero_stage"] == 0)
     ):
         return False
     # Anything else goes through the universal form, which holds every parameter whole: DeepSpeed
     # cuts it into any partitions, torch into any accelerate wrapper's pieces.
-    if saved["zero_stage"] == 0 or (current["backend"] == "deepspeed" and current["zero_stage"] == 0):
+    if any(record["backend"] == "deepspeed" and record["zero_stage"] == 0 for record in (saved, current)):
         raise ReshapeError(
             f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
             "DeepSpeed's universal checkpoint converts and loads ZeRO-partitioned optimizer states only, and "

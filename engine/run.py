@@ -46,6 +46,7 @@ from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
 from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
+from engine.parallel.torch_to_universal import universal_from_torch
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
 from engine.rank_logs import RankOutput, capture_rank_output
@@ -253,11 +254,14 @@ def _is_communication_error(error: Exception) -> bool:
     )
 
 
-def reshape_checkpoint(tag_dir: Path) -> None:
+def reshape_checkpoint(tag_dir: Path, saved_backend: str, train_batch_size: int) -> None:
     """Rank 0 converts checkpoint `tag_dir` to a universal one (once: it is kept); the others wait."""
     if is_main_process() and not (tag_dir / UNIVERSAL_FOLDER).is_dir():
         print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
-        convert_to_universal(tag_dir)
+        if saved_backend == "accelerate":
+            universal_from_torch(tag_dir, train_batch_size)
+        else:
+            convert_to_universal(tag_dir)
     barrier()
 
 
@@ -272,7 +276,8 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
     if prepared.reshape:
-        reshape_checkpoint(prepared.resume[0] / prepared.resume[1])
+        tag_dir = prepared.resume[0] / prepared.resume[1]
+        reshape_checkpoint(tag_dir, prepared.saved_layout["backend"], config.document["train_batch_size"])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision], prepared.reshape)
     start_step = 0
     if prepared.resume is not None:

@@ -1,8 +1,9 @@
 """Checkpoints resumed on another layout (data-parallel size, ZeRO stage 1, 2 or 3, tensor and
-pipeline split; under the accelerate backend any process count, DDP or FSDP) continue the run they
-came from: the losses and learning rates of the next steps match the uninterrupted run. Layouts
-DeepSpeed cannot convert are refused before anything loads, and an export moves weights between
-any two layouts."""
+pipeline split; under the accelerate backend any process count, DDP or FSDP; from either backend
+to the other) continue the run they came from: the losses and learning rates of the next steps
+match the uninterrupted run, and so do the weights and batch-norm statistics. Layouts that cannot
+be converted are refused before anything loads, and an export moves weights between any two
+layouts."""
 
 from __future__ import annotations
 
@@ -215,26 +216,55 @@ def test_deepspeed_checkpoint_resumes_under_accelerate(name: str, request: pytes
 RESNET = "configs/tiny_resnet.json"
 
 
+# An accelerate checkpoint resumed under DeepSpeed, through a universal form made from it.
+ACCELERATE_TO_DEEPSPEED = {
+    "zero3_on_one": ({"zero_optimization.stage": 3, "gradient_accumulation_steps": 2}, 1),
+    # Two pipeline stages of one data-parallel replica: the FSDP run's global batch of 4 in two steps.
+    "pipeline_on_two": (
+        {"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
+        2,
+    ),
+}
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize(
-    "saved,accelerate",
-    [
-        ({"zero_optimization.stage": 2}, False),
-        ({"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2}, True),
-    ],
-    ids=["zero2_as_zero1", "pipeline_as_accelerate"],
-)
-def test_batch_norm_statistics_survive_a_reshape(saved: dict, accelerate: bool, tmp_path: Path):
+@pytest.mark.parametrize("name", sorted(ACCELERATE_TO_DEEPSPEED))
+def test_accelerate_checkpoint_resumes_under_deepspeed(fsdp: Run, name: str, tmp_path: Path):
+    """torch joins FSDP's row pieces into whole tensors (`dcp_to_torch_save`), written as a universal
+    checkpoint that DeepSpeed cuts into its partitions or pipeline stages, under the names the
+    accelerate run recorded."""
+    overrides, nproc = ACCELERATE_TO_DEEPSPEED[name]
+    resumed = resumed_from(fsdp, overrides, tmp_path / name, nproc=nproc)
+    assert_continues(resumed, fsdp)
+    assert_same_weights(resumed, fsdp)
+
+
+# (source launcher, source overrides, resume overrides, resume process count, resume under accelerate)
+BATCH_NORM_RESHAPES = {
+    "zero2_as_zero1": (launch, {"zero_optimization.stage": 2}, {"zero_optimization.stage": 1}, 2, False),
+    "pipeline_as_accelerate": (
+        launch,
+        {"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2},
+        {"zero_optimization.stage": 0},
+        1,
+        True,
+    ),
+    "fsdp_as_zero2": (launch_accelerate, {"zero_optimization.stage": 3}, {"zero_optimization.stage": 2}, 2, False),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", sorted(BATCH_NORM_RESHAPES))
+def test_batch_norm_statistics_survive_a_reshape(name: str, tmp_path: Path):
     """The universal form holds parameters only, and DeepSpeed's universal load skips the module
     state: its ResNet resumed with fresh running statistics (an eval loss of 2.080 where the
     uninterrupted run had 2.159). The engine restores them from the saved module states, per
-    tensor-parallel rank (ZeRO-2 on two ranks) or per pipeline layer, and, on as many ranks as
-    saved them, each rank's own copy (`buffers/rank<R>.pt`): the evaluation matches too."""
-    source = launch(RESNET, {**STEPS, **saved}, tmp_path / "source")
-    overrides = {"zero_optimization.stage": 1 if not accelerate else 0}
-    resumed = resumed_from(
-        source, overrides, tmp_path / "resumed", nproc=1 if accelerate else 2, accelerate=accelerate, config=RESNET
-    )
+    tensor-parallel rank (ZeRO-2 on two ranks) or per pipeline layer, or from the engine state of
+    an accelerate checkpoint's conversion, and, on as many ranks as saved them, each rank's own copy
+    (`buffers/rank<R>.pt`): the evaluation matches too."""
+    source_launcher, saved, overrides, nproc, accelerate = BATCH_NORM_RESHAPES[name]
+    source = source_launcher(RESNET, {**STEPS, **saved}, tmp_path / "source")
+    resumed = resumed_from(source, overrides, tmp_path / "resumed", nproc=nproc, accelerate=accelerate, config=RESNET)
     assert_continues(resumed, source)
     assert_same_weights(resumed, source)
     assert resumed.records[-1]["eval_loss"] == pytest.approx(source.records[-1]["eval_loss"], abs=1e-5)
@@ -291,6 +321,9 @@ def layout(**changes) -> dict:
         # The accelerate backend reads a DeepSpeed checkpoint through its universal form, even on the same layout.
         (layout(), layout(backend="accelerate"), True),
         (layout(zero_stage=1, pipeline=2, tensor=2, data=1), layout(backend="accelerate", zero_stage=0), True),
+        # DeepSpeed reads an accelerate checkpoint through a universal form made from it.
+        (layout(backend="accelerate"), layout(), True),
+        (layout(backend="accelerate", zero_stage=3), layout(pipeline=2, data=1, zero_stage=1), True),
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
@@ -302,7 +335,8 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
     [
         (layout(zero_stage=0), layout(zero_stage=0, tensor=2), "ZeRO-0 keeps none"),
         (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
-        (layout(backend="accelerate"), layout(), "saved by the accelerate backend"),
+        (layout(backend="accelerate"), layout(tensor=2, data=1, zero_stage=1), "tensor_parallel_size 1"),
+        (layout(backend="accelerate"), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "ZeRO-0 keeps none"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),

@@ -38,11 +38,12 @@ from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
+from engine.parallel.consolidate import tensor_names
+from engine.parallel.torch_to_universal import ENGINE_STATE
+from engine.parallel.universal import canonical_names, save_names
 from engine.parallel.universal_to_torch import torch_state
 from models import ModelFamily
 from models.common import persistent_buffers
-
-_ENGINE_STATE = "engine_state.pt"
 
 
 def wrapper_for(config: EngineConfig) -> str:
@@ -201,22 +202,25 @@ class AccelerateBackend(Backend):
         path = checkpoint_dir / tag
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+        # For a resume under DeepSpeed, whose universal form keeps tied weights under their first name.
+        module = self._unwrapped()
+        save_names(path, dist.get_rank(), canonical_names(module, tensor_names(module)))
         if dist.get_rank() == 0:
             scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-            torch.save({"client_state": client_state, "scheduler": scheduler}, path / _ENGINE_STATE)
+            torch.save({"client_state": client_state, "scheduler": scheduler}, path / ENGINE_STATE)
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path = checkpoint_dir / tag
-        if not (path / _ENGINE_STATE).is_file():
+        if not (path / ENGINE_STATE).is_file():
             raise FileNotFoundError(
-                f"{path} is not a checkpoint of the accelerate backend (no {_ENGINE_STATE}); a DeepSpeed "
+                f"{path} is not a checkpoint of the accelerate backend (no {ENGINE_STATE}); a DeepSpeed "
                 "checkpoint saved without its layout (layout.json) resumes under the DeepSpeed backend only"
             )
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        saved = torch.load(path / _ENGINE_STATE, map_location="cpu", weights_only=False)
+        saved = torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=False)
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         return saved["client_state"]

@@ -122,7 +122,8 @@ def saved_buffers(tag_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tenso
     per layer (`layer_NN-...`, the layer named `NN` in the pipeline module)."""
     canonical = saved_names(tag_dir)
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(tag_dir.glob("*model_states.pt")):
+    # The engine state of an accelerate checkpoint's conversion (`torch_to_universal`) holds them too.
+    for path in sorted([*tag_dir.glob("*model_states.pt"), *(tag_dir / UNIVERSAL_FOLDER).glob("*model_states.pt")]):
         state = torch.load(path, map_location="cpu", weights_only=False)
         if path.name.startswith("layer_"):
             prefix = str(int(path.name.removeprefix("layer_").split("-")[0])) + "."
