@@ -84,6 +84,13 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
         f"from the export with model.init_from=<that run's output_dir>/export (weights only: the optimizer "
         f"starts afresh)."
     )
+    rows = saved["vocab_size"]
+    if rows is not None and rows % current["tensor"]:
+        raise ReshapeError(
+            f"parallel.tensor_parallel_size: checkpoint {tag_dir} has {rows} vocabulary rows, which "
+            f"{current['tensor']} tensor-parallel shards cannot split, and a resumed model keeps its rows; "
+            f"resume with a tensor-parallel size that divides {rows}"
+        )
     if saved["vocab_size"] != current["vocab_size"]:
         raise ReshapeError(
             f"model.vocab_size: checkpoint {tag_dir} has {saved['vocab_size']} vocabulary rows, this run "
