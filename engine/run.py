@@ -275,21 +275,18 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
 
     family = get_family(config.model["family"])
     seed_everything(trainer["seed"])
+    tag_dir = prepared.resume[0] / prepared.resume[1] if prepared.resume is not None else None
     if prepared.reshape:
-        tag_dir = prepared.resume[0] / prepared.resume[1]
         reshape_checkpoint(tag_dir, prepared.saved_layout["backend"], config.document["train_batch_size"])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision], prepared.reshape)
     start_step = 0
-    if prepared.resume is not None:
-        if prepared.reshape:
-            saved = backend.load_universal(prepared.resume[0] / prepared.resume[1])
-        else:
-            saved = backend.load(*prepared.resume)
+    if tag_dir is not None:
+        saved = backend.load_universal(tag_dir) if prepared.reshape else backend.load(tag_dir.parent, tag_dir.name)
         start_step = int(saved["step"])
         # Generators and each rank's buffers continue where they were only on the layout that saved them.
         if saved.get("world_size") == config.world_size:
-            load_rng_state(prepared.resume[0] / prepared.resume[1], env_rank())
-            load_rank_buffers(prepared.resume[0] / prepared.resume[1], env_rank(), backend.local_buffers())
+            load_rng_state(tag_dir, env_rank())
+            load_rank_buffers(tag_dir, env_rank(), backend.local_buffers())
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
     batches = make_train_loader(

@@ -202,7 +202,7 @@ class AccelerateBackend(Backend):
         path = checkpoint_dir / tag
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
-        # For a resume under DeepSpeed, whose universal form keeps tied weights under their first name.
+        # Lets a resume under DeepSpeed find each parameter by the unsplit model's name (a tied weight's too).
         module = self._unwrapped()
         save_names(path, dist.get_rank(), canonical_names(module, tensor_names(module)))
         if dist.get_rank() == 0:

@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,8 @@ def merged_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
 
 def canonical_names(module: nn.Module, names: Mapping[int, str]) -> dict[str, str]:
     """This rank's parameter and buffer names mapped to the unsplit model's (`names`: by tensor
-    identity). The buffers are for a resume under the accelerate backend, which reads them from
-    the saved module states (`universal_to_torch`); the universal form has parameters only."""
+    identity). Buffers are named too: the universal form leaves them out, and a universal load
+    reads them from the saved module states by these names (`saved_buffers`)."""
     tensors = [*module.named_parameters(), *module.named_buffers()]
     return {local: names[id(tensor)] for local, tensor in tensors if id(tensor) in names}
 
@@ -114,12 +114,15 @@ def saved_names(tag_dir: Path) -> dict[str, str]:
     return merged
 
 
-def saved_buffers(tag_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
+def saved_buffers(tag_dir: Path, wanted: Sequence[str]) -> dict[str, torch.Tensor]:
     """The persistent buffers `wanted` (a ResNet's batch-norm statistics, by the unsplit model's
     names) as checkpoint `tag_dir` saved them. The universal form holds parameters only, and
     DeepSpeed's universal load skips the module state where the buffers are; so they are read from
     the module states DeepSpeed saved: one file per tensor-parallel rank, or under a pipeline one
-    per layer (`layer_NN-...`, the layer named `NN` in the pipeline module)."""
+    per layer (`layer_NN-...`, the layer named `NN` in the pipeline module). Those files hold the
+    weights too, so a model without buffers (GPT) reads none of them."""
+    if not wanted:
+        return {}
     canonical = saved_names(tag_dir)
     tensors: dict[str, torch.Tensor] = {}
     # The engine state of an accelerate checkpoint's conversion (`torch_to_universal`) holds them too.
@@ -141,7 +144,7 @@ def saved_buffers(tag_dir: Path, wanted: Iterable[str]) -> dict[str, torch.Tenso
 def restore_buffers(module: nn.Module, names: Mapping[int, str], tag_dir: Path) -> None:
     """Copy the persistent buffers of checkpoint `tag_dir` into this rank's (`names`: the unsplit
     model's name of each tensor, by identity)."""
-    buffers = persistent_buffers(module).values()
+    buffers = list(persistent_buffers(module).values())
     saved = saved_buffers(tag_dir, [names[id(buffer)] for buffer in buffers])
     with torch.no_grad():
         for buffer in buffers:
