@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 LAYOUT_FILE = "layout.json"
+NAMES_FOLDER = "names"  # every rank's parameter and buffer names (engine/parallel/universal.py)
 
 
 class ReshapeError(ValueError):
@@ -131,5 +132,11 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             "DeepSpeed's universal checkpoint converts and loads ZeRO-partitioned optimizer states only, and "
             "ZeRO-0 keeps none. Use zero_optimization.stage 1 (the same arithmetic and memory as 0 on one "
             f"rank) under DeepSpeed, or: {way_out}"
+        )
+    if saved["backend"] == "accelerate" and not (tag_dir / NAMES_FOLDER).is_dir():
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} was saved by the accelerate backend before it recorded its "
+            f"parameter names (names/), which DeepSpeed needs to find each parameter. Resume it under the "
+            f"accelerate backend and save again, or: {way_out}"
         )
     return True

@@ -327,6 +327,7 @@ def layout(**changes) -> dict:
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
+    (tmp_path / "names").mkdir()  # every checkpoint records its parameter names
     assert needs_conversion(saved, current, tmp_path) is converts
 
 
@@ -337,6 +338,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(backend="accelerate"), layout(tensor=2, data=1, zero_stage=1), "tensor_parallel_size 1"),
         (layout(backend="accelerate"), layout(zero_stage=0), "ZeRO-0 keeps none"),
+        (layout(backend="accelerate"), layout(), "before it recorded its parameter names"),
         (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "ZeRO-0 keeps none"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         # "auto" pads 59 rows to 60 for two shards; asking for 59 would fail on the split instead.

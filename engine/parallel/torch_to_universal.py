@@ -22,7 +22,7 @@ import torch
 from deepspeed.checkpoint.constants import DS_VERSION, PARAM
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from engine.parallel.universal import UNIVERSAL_FOLDER, saved_names
+from engine.parallel.universal import UNIVERSAL_FOLDER
 
 ENGINE_STATE = "engine_state.pt"  # the accelerate backend's schedule and client state, beside its DCP files
 
@@ -34,10 +34,6 @@ def universal_from_torch(tag_dir: Path, train_batch_size: int) -> Path:
     target = tag_dir / UNIVERSAL_FOLDER
     if target.is_dir():
         return target
-    if not saved_names(tag_dir):
-        raise FileNotFoundError(
-            f"{tag_dir} records no parameter names (saved by an older engine): resume it under the accelerate backend"
-        )
     staging = tag_dir / (UNIVERSAL_FOLDER + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "zero").mkdir(parents=True)

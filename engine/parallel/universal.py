@@ -38,6 +38,7 @@ from deepspeed.checkpoint.constants import (
 )
 from torch import nn
 
+from engine.reshape import NAMES_FOLDER
 from models.common import persistent_buffers
 from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
 
@@ -101,7 +102,7 @@ def canonical_names(module: nn.Module, names: Mapping[int, str]) -> dict[str, st
 
 def save_names(tag_dir: Path, rank: int, names: Mapping[str, str]) -> None:
     """Every rank records its own names: a pipeline stage knows only its layers'."""
-    path = tag_dir / "names" / f"rank{rank}.json"
+    path = tag_dir / NAMES_FOLDER / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(names, indent=1, sort_keys=True))
 
@@ -109,7 +110,7 @@ def save_names(tag_dir: Path, rank: int, names: Mapping[str, str]) -> None:
 def saved_names(tag_dir: Path) -> dict[str, str]:
     """The saving run's names of every parameter, all ranks together."""
     merged: dict[str, str] = {}
-    for path in sorted((tag_dir / "names").glob("rank*.json")):
+    for path in sorted((tag_dir / NAMES_FOLDER).glob("rank*.json")):
         merged.update(json.loads(path.read_text()))
     return merged
 
