@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,7 +43,7 @@ from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.parallel.consolidate import tensor_names
 from engine.parallel.torch_to_universal import ENGINE_STATE
 from engine.parallel.universal import canonical_names, save_names
-from engine.parallel.universal_to_torch import torch_state
+from engine.parallel.universal_to_torch import FullState, full_state, progress
 from models import ModelFamily
 from models.common import persistent_buffers
 
@@ -234,18 +236,18 @@ class AccelerateBackend(Backend):
 
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
-        rank holds (`engine/parallel/universal_to_torch.py`)."""
-        state = torch_state(tag_dir, self._unwrapped(), self.optimizer)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state.model,
-            optim_state_dict=state.optimizer,
-            options=StateDictOptions(full_state_dict=True),
-        )
-        if self.scheduler is not None and state.scheduler is not None:
-            self.scheduler.load_state_dict(state.scheduler)
-        return state.client
+        rank holds (`engine/parallel/universal_to_torch.py`). Rank 0 alone reads the tensors; torch
+        broadcasts them one at a time."""
+        state = full_state(tag_dir, self._unwrapped(), self.optimizer) if dist.get_rank() == 0 else FullState({}, {})
+        # Not `set_state_dict`: on the ranks given an empty model state it loads the optimizer only,
+        # and rank 0 waits in the model's broadcast for ever (torch 2.13).
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(self.model, self.optimizer, state.optimizer, options=options)
+        set_model_state_dict(self.model, state.model, options=options)
+        saved = progress(tag_dir)
+        if self.scheduler is not None and saved.scheduler is not None:
+            self.scheduler.load_state_dict(saved.scheduler)
+        return saved.client
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         # The live model holds exactly what checkpoint `tag` saved: it is the last save of the run.

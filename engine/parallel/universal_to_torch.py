@@ -6,6 +6,11 @@ split saved it: exactly what torch's `set_state_dict(..., full_state_dict=True)`
 into whatever this run holds (FSDP2's row pieces, DDP's whole tensors). The persistent buffers,
 which the conversion leaves out, come from the saved module states (`universal.saved_buffers`),
 the LR schedule and client state from DeepSpeed's engine state.
+
+One rank reads the tensors (`full_state`) and torch broadcasts them one by one: were every rank to
+read them, a node would hold the whole model and both Adam moments once per rank in host memory.
+Every rank reads the schedule and client state (`progress`), memory-mapped, so the whole weights
+DeepSpeed keeps beside them in the same file are never read.
 """
 
 from __future__ import annotations
@@ -40,20 +45,23 @@ _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass
-class TorchState:
+class FullState:
     model: dict[str, torch.Tensor]  # full tensors under the loading model's names
     optimizer: dict[str, Any]  # torch's full optimizer state dict: {"state", "param_groups"} by name
+
+
+@dataclass
+class Progress:
     scheduler: dict[str, Any] | None
     client: dict[str, Any]
 
 
-def torch_state(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TorchState:
-    """The state of checkpoint `tag_dir`, already converted to its universal form, for `model` (not
-    wrapped: its own names) and its torch `optimizer`, both as this run built them."""
+def full_state(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
+    """The tensors of checkpoint `tag_dir`, already converted to its universal form, for `model`
+    (not wrapped: its own names) and its torch `optimizer`, both as this run built them."""
     universal_dir = tag_dir / UNIVERSAL_FOLDER
     names = tensor_names(model)
     saved_as = {canonical: local for local, canonical in saved_names(tag_dir).items()}
-    engine_state = _engine_state(universal_dir)
     parameter_names = {id(parameter): name for name, parameter in model.named_parameters()}
     tensors = model.state_dict(keep_vars=True)
     buffers = saved_buffers(tag_dir, [names[id(buffer)] for buffer in persistent_buffers(model).values()])
@@ -82,8 +90,14 @@ def torch_state(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimize
         }
         for group, saved_group in zip(optimizer.param_groups, saved_groups, strict=True)
     ]
+    return FullState(model_state, {"state": adam_state, "param_groups": groups})
+
+
+def progress(tag_dir: Path) -> Progress:
+    """The LR schedule and client state of checkpoint `tag_dir`, from DeepSpeed's engine state."""
+    engine_state = _engine_state(tag_dir / UNIVERSAL_FOLDER)
     client = {key: value for key, value in engine_state.items() if key not in _DEEPSPEED_STATES}
-    return TorchState(model_state, {"state": adam_state, "param_groups": groups}, engine_state["lr_scheduler"], client)
+    return Progress(engine_state["lr_scheduler"], client)
 
 
 def _read(path: Path, shape: torch.Size) -> torch.Tensor:
@@ -93,8 +107,8 @@ def _read(path: Path, shape: torch.Size) -> torch.Tensor:
 
 def _engine_state(universal_dir: Path) -> dict[str, Any]:
     """DeepSpeed's engine state of the saving run: `mp_rank_00_model_states.pt`, under ZeRO-3 the
-    same with ZeRO-3's prefix."""
+    same with ZeRO-3's prefix. Mapped, not read: it holds the saving run's whole weights too."""
     for name in ("mp_rank_00_model_states.pt", ZERO3_PREFIX + "mp_rank_00_model_states.pt"):
         if (universal_dir / name).is_file():
-            return torch.load(universal_dir / name, map_location="cpu", weights_only=False)
+            return torch.load(universal_dir / name, map_location="cpu", weights_only=False, mmap=True)
     raise FileNotFoundError(f"universal checkpoint {universal_dir} has no mp_rank_00 model states")
