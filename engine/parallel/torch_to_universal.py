@@ -12,8 +12,6 @@ schedule, step counters and client state, and the module state whose buffers
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +20,19 @@ import torch
 from deepspeed.checkpoint.constants import DS_VERSION, PARAM
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from engine.parallel.universal import UNIVERSAL_FOLDER
+from engine.parallel.universal import publish_universal
 
 ENGINE_STATE = "engine_state.pt"  # the accelerate backend's schedule and client state, beside its DCP files
 
 
 def universal_from_torch(tag_dir: Path, train_batch_size: int) -> Path:
-    """The universal form of accelerate checkpoint `tag_dir`, converted once and kept inside it,
-    published by rename like every conversion. `train_batch_size` counts DeepSpeed's samples seen
-    (the monitors' x axis), which the accelerate backend does not record."""
-    target = tag_dir / UNIVERSAL_FOLDER
-    if target.is_dir():
-        return target
-    staging = tag_dir / (UNIVERSAL_FOLDER + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    """The universal form of accelerate checkpoint `tag_dir` (`universal.publish_universal`).
+    `train_batch_size` counts DeepSpeed's samples seen (the monitors' x axis), which the accelerate
+    backend does not record."""
+    return publish_universal(tag_dir, lambda staging: _write_universal(tag_dir, staging, train_batch_size))
+
+
+def _write_universal(tag_dir: Path, staging: Path, train_batch_size: int) -> None:
     (staging / "zero").mkdir(parents=True)
     whole = staging / "whole.pt"
     dcp_to_torch_save(tag_dir, whole)
@@ -52,8 +49,6 @@ def universal_from_torch(tag_dir: Path, train_batch_size: int) -> Path:
     groups = [{**group, "params": list(range(len(group["params"])))} for group in optimizer["param_groups"]]
     torch.save({DS_VERSION: deepspeed.__version__, "param_groups": groups}, staging / "zero" / "optimizer_state.pt")
     torch.save(_engine_state(tag_dir, model, train_batch_size), staging / "mp_rank_00_model_states.pt")
-    os.replace(staging, target)
-    return target
 
 
 def _engine_state(tag_dir: Path, model: dict[str, torch.Tensor], train_batch_size: int) -> dict[str, Any]:

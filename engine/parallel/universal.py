@@ -18,7 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,26 +152,37 @@ def restore_buffers(module: nn.Module, names: Mapping[int, str], tag_dir: Path) 
             buffer.copy_(saved[names[id(buffer)]])
 
 
-def convert_to_universal(tag_dir: Path) -> Path:
-    """The universal form of checkpoint `tag_dir`, converted once and kept inside it.
-
-    Written into a temporary folder and renamed when complete, like every checkpoint, so a crash
-    mid-conversion never leaves a half-converted folder that a later resume would trust."""
+def publish_universal(tag_dir: Path, write: Callable[[Path], None]) -> Path:
+    """The universal form of checkpoint `tag_dir`, converted once and kept inside it: `write` fills
+    a staging folder, renamed when complete like every checkpoint, so a crash mid-conversion never
+    leaves a half-converted folder that a later resume would trust."""
     target = tag_dir / UNIVERSAL_FOLDER
     if target.is_dir():
         return target
     staging = tag_dir / (UNIVERSAL_FOLDER + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    os.replace(staging, target)
+    return target
+
+
+def convert_to_universal(tag_dir: Path) -> Path:
+    """The universal form of DeepSpeed checkpoint `tag_dir`, by DeepSpeed's own converter."""
+    return publish_universal(tag_dir, lambda staging: _ds_to_universal(tag_dir, staging))
+
+
+def _ds_to_universal(tag_dir: Path, staging: Path) -> None:
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
     command += ["--input_folder", str(tag_dir), "--output_folder", str(staging), "--inject_missing_state"]
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if result.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
         output = result.stdout[-2000:] + result.stderr[-3000:]
         raise RuntimeError(f"ds_to_universal could not convert {tag_dir}:\n{output}")
     _zero12_optimizer_state(staging)
-    os.replace(staging, target)
-    return target
 
 
 def _zero12_optimizer_state(universal_dir: Path) -> None:
