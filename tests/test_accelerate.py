@@ -28,6 +28,11 @@ from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
 
 CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
+# ResNet trains unclipped, as in test_parity.py: FSDP's norm summed from shards is 2.3e-6 off the
+# reference's at step 1, and BatchNorm over micro-batches of 4 grows that to a loss 1.4e-4 off by
+# step 5 (measured on an AMD EPYC; an Intel machine stayed under 1e-5). Unclipped, FSDP is
+# bit-identical; clipping under FSDP is checked on GPT.
+FAMILY_OVERRIDES = {"gpt": {}, "resnet": {"gradient_clipping": 0.0}}
 # FSDP sums the clipping norm from shards, so clip coefficients differ in the last bit; Adam turns
 # that into visible steps for elements whose gradient is near eps (see test_parity.py).
 WEIGHT_TOLERANCE = 1e-4
@@ -77,8 +82,8 @@ CASES = [
 @pytest.mark.launch
 @pytest.mark.parametrize("family,wrapper", CASES, ids=[f"{family}-{wrapper.name}" for family, wrapper in CASES])
 def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrapper, tmp_path: Path):
-    run = launch_accelerate(CONFIGS[family], wrapper.overrides, tmp_path / "run")
-    overrides = {**wrapper.overrides, "trainer.backend": "accelerate"}
+    run = launch_accelerate(CONFIGS[family], {**wrapper.overrides, **FAMILY_OVERRIDES[family]}, tmp_path / "run")
+    overrides = {**wrapper.overrides, **FAMILY_OVERRIDES[family], "trainer.backend": "accelerate"}
     reference = reference_run(CONFIGS[family], overrides, world_size=2)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
