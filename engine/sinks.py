@@ -26,7 +26,7 @@ from deepspeed.monitor.csv_monitor import csvMonitor
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.monitor.tensorboard import TensorBoardMonitor
 
-from engine.backends import Backend, DeepSpeedEngineBackend
+from engine.backends import Backend
 from engine.metrics import Sink
 
 # DeepSpeed's engine writes these itself after every optimizer step, under the same names; the
@@ -135,8 +135,9 @@ def _purge_tensorboard(monitor: TensorBoardMonitor, first: int) -> None:
 
 def build_sinks(deepspeed_config: dict[str, Any], backend: Backend) -> list[Sink]:
     """The sinks a run's config asks for (none when every monitor is off)."""
-    if isinstance(backend, DeepSpeedEngineBackend):
-        sink = MonitorSink(backend.engine.monitor, deepspeed_config["train_batch_size"], DEEPSPEED_ENGINE_EVENTS)
+    monitor = backend.deepspeed_monitor()
+    if monitor is not None:
+        sink = MonitorSink(monitor, deepspeed_config["train_batch_size"], DEEPSPEED_ENGINE_EVENTS)
     else:
         sink = MonitorSink.from_config(deepspeed_config)
     return [sink] if sink.enabled else []

@@ -6,11 +6,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.step_phases import PhaseTimer
+
+if TYPE_CHECKING:
+    from deepspeed.monitor.monitor import MonitorMaster
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -61,6 +64,11 @@ class Backend(ABC):
     @abstractmethod
     def loss_scale(self) -> float | None:
         """fp16's current loss scale; None where no loss scaler runs."""
+
+    def deepspeed_monitor(self) -> MonitorMaster | None:
+        """DeepSpeed's engine monitor, which the metric sinks reuse (`engine/sinks.py`): one writer
+        per directory. None where no DeepSpeed engine runs."""
+        return None
 
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step (before clipping); None where the library does

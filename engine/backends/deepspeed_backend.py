@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -176,6 +177,9 @@ class DeepSpeedEngineBackend(Backend):
             _mend_zero3_universal_load(self.engine.optimizer, decays)
         restore_buffers(self.engine.module, self._names, tag_dir)
         return client_state
+
+    def deepspeed_monitor(self) -> MonitorMaster:
+        return self.engine.monitor
 
     def grad_norm(self) -> float | None:
         if self._untracked_norm:
