@@ -21,6 +21,8 @@ from typing import Any
 
 LAYOUT_FILE = "layout.json"
 NAMES_FOLDER = "names"  # every rank's parameter and buffer names (engine/parallel/universal.py)
+# Under NAMES_FOLDER: an fp32 ZeRO-0 checkpoint's optimizer parameters by position (torch_to_universal.py).
+OPTIMIZER_ORDER = "optimizer_order.json"
 
 
 class ReshapeError(ValueError):
@@ -126,12 +128,24 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
         return False
     # Anything else goes through the universal form, which holds every parameter whole: DeepSpeed
     # cuts it into any partitions, torch into any accelerate wrapper's pieces.
-    if any(record["backend"] == "deepspeed" and record["zero_stage"] == 0 for record in (saved, current)):
+    if current["backend"] == "deepspeed" and current["zero_stage"] == 0:
         raise ReshapeError(
             f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
-            "DeepSpeed's universal checkpoint converts and loads ZeRO-partitioned optimizer states only, and "
+            "DeepSpeed's universal checkpoint loads into ZeRO-partitioned optimizer states only, and "
             "ZeRO-0 keeps none. Use zero_optimization.stage 1 (the same arithmetic and memory as 0 on one "
             f"rank) under DeepSpeed, or: {way_out}"
+        )
+    if (
+        saved["backend"] == "deepspeed"
+        and saved["zero_stage"] == 0
+        and not (tag_dir / NAMES_FOLDER / OPTIMIZER_ORDER).is_file()
+    ):
+        raise ReshapeError(
+            f"trainer.resume: checkpoint {tag_dir} ({describe(saved)}) cannot be resumed on {describe(current)}: "
+            "a ZeRO-0 checkpoint converts when it holds torch's own optimizer state (fp32, without tensor or "
+            "pipeline parallelism) and the save recorded its optimizer order (names/optimizer_order.json). This "
+            "one has no such record: it holds DeepSpeed's bf16 or fp16 optimizer state or model-parallel "
+            f"pieces, which no converter reads, or it was saved before the order was recorded. {way_out}"
         )
     if saved["backend"] == "accelerate" and not (tag_dir / NAMES_FOLDER).is_dir():
         raise ReshapeError(

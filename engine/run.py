@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
 from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
-from engine.parallel.torch_to_universal import universal_from_torch
+from engine.parallel.torch_to_universal import universal_from_torch, universal_from_zero0
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
 from engine.rank_logs import RankOutput, capture_rank_output
@@ -254,12 +254,15 @@ def _is_communication_error(error: Exception) -> bool:
     )
 
 
-def reshape_checkpoint(tag_dir: Path, saved_backend: str, train_batch_size: int) -> None:
-    """Rank 0 converts checkpoint `tag_dir` to a universal one (once: it is kept); the others wait."""
+def reshape_checkpoint(tag_dir: Path, saved: dict[str, Any], train_batch_size: int) -> None:
+    """Rank 0 converts checkpoint `tag_dir` (saved on layout `saved`) to a universal one (once: it is
+    kept); the others wait."""
     if is_main_process() and not (tag_dir / UNIVERSAL_FOLDER).is_dir():
         print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
-        if saved_backend == "accelerate":
+        if saved["backend"] == "accelerate":
             universal_from_torch(tag_dir, train_batch_size)
+        elif saved["zero_stage"] == 0:
+            universal_from_zero0(tag_dir)
         else:
             convert_to_universal(tag_dir)
     barrier()
@@ -277,7 +280,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
     seed_everything(trainer["seed"])
     tag_dir = prepared.resume[0] / prepared.resume[1] if prepared.resume is not None else None
     if prepared.reshape:
-        reshape_checkpoint(tag_dir, prepared.saved_layout["backend"], config.document["train_batch_size"])
+        reshape_checkpoint(tag_dir, prepared.saved_layout, config.document["train_batch_size"])
     backend, dp_rank = build_backend(config, family, device, _DTYPES[config.precision], prepared.reshape)
     start_step = 0
     if tag_dir is not None:

@@ -213,6 +213,29 @@ def test_deepspeed_checkpoint_resumes_under_accelerate(name: str, request: pytes
     assert_same_weights(resumed, source)
 
 
+@pytest.fixture(scope="module")
+def zero0(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch(GPT, {**STEPS, "zero_optimization.stage": 0}, tmp_path_factory.mktemp("zero0"))
+
+
+# fp32 ZeRO-0 keeps torch's own optimizer state, which DeepSpeed's converter does not read.
+ZERO0_RESHAPES = {
+    "zero2_on_one": ({"zero_optimization.stage": 2, "gradient_accumulation_steps": 2}, 1, False),
+    "fsdp_on_two": ({"zero_optimization.stage": 3}, 2, True),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", sorted(ZERO0_RESHAPES))
+def test_zero0_checkpoint_resumes_on_another_layout(zero0: Run, name: str, tmp_path: Path):
+    """The whole weights and torch's optimizer state in ZeRO-0's model states, named by the
+    optimizer order the save recorded, written as a universal checkpoint."""
+    overrides, nproc, accelerate = ZERO0_RESHAPES[name]
+    resumed = resumed_from(zero0, overrides, tmp_path / name, nproc=nproc, accelerate=accelerate)
+    assert_continues(resumed, zero0)
+    assert_same_weights(resumed, zero0)
+
+
 RESNET = "configs/tiny_resnet.json"
 
 
@@ -324,10 +347,14 @@ def layout(**changes) -> dict:
         # DeepSpeed reads an accelerate checkpoint through a universal form made from it.
         (layout(backend="accelerate"), layout(), True),
         (layout(backend="accelerate", zero_stage=3), layout(pipeline=2, data=1, zero_stage=1), True),
+        # An fp32 ZeRO-0 checkpoint converts from torch's optimizer state, into anything but ZeRO-0.
+        (layout(zero_stage=0), layout(zero_stage=2, data=1), True),
+        (layout(zero_stage=0), layout(backend="accelerate", zero_stage=3), True),
     ],
 )
 def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_path: Path):
     (tmp_path / "names").mkdir()  # every checkpoint records its parameter names
+    (tmp_path / "names" / "optimizer_order.json").write_text("[]")  # and fp32 ZeRO-0 its optimizer order
     assert needs_conversion(saved, current, tmp_path) is converts
 
 
@@ -339,7 +366,9 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(backend="accelerate"), layout(tensor=2, data=1, zero_stage=1), "tensor_parallel_size 1"),
         (layout(backend="accelerate"), layout(zero_stage=0), "ZeRO-0 keeps none"),
         (layout(backend="accelerate"), layout(), "before it recorded its parameter names"),
-        (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "ZeRO-0 keeps none"),
+        # Saved without its optimizer order: bf16 or fp16, or tensor- or pipeline-parallel.
+        (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "which no converter reads"),
+        (layout(zero_stage=0), layout(zero_stage=2, data=1), "which no converter reads"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         # "auto" pads 59 rows to 60 for two shards; asking for 59 would fail on the split instead.
         (layout(vocab_size=59), layout(vocab_size=60, tensor=2, data=1, zero_stage=1), "cannot split"),

@@ -33,6 +33,7 @@ from engine.parallel.universal import (
     merged_info,
     restore_buffers,
     save_names,
+    save_optimizer_order,
     saved_names,
     universal_info,
 )
@@ -274,6 +275,13 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             # An instance attribute: `_take_model_step` calls it by name, DeepSpeed's code untouched.
             self.engine.clip_fp32_gradients = self._clip_fp32_gradients
             self._norm_from_clipping = True
+
+    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        super().save(checkpoint_dir, tag, client_state)
+        if self._untracked_norm and self.grid is None and dist.get_rank() == 0:
+            # fp32 ZeRO-0 saves torch's own optimizer state, keyed by position: which parameter each
+            # position is lets a later run reshape it (`torch_to_universal.universal_from_zero0`).
+            save_optimizer_order(checkpoint_dir / tag, self._trainable)
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)

@@ -1,4 +1,5 @@
-"""An accelerate-backend checkpoint in DeepSpeed's universal form, for the DeepSpeed backend to resume.
+"""Checkpoints of torch optimizer state in DeepSpeed's universal form, for the DeepSpeed backend to
+resume on any layout: an accelerate backend's, and DeepSpeed's own fp32 ZeRO-0 one.
 
 The accelerate backend saves torch distributed checkpoints of `get_state_dict`: whole tensors
 under DDP, FSDP2's row pieces as DTensors. torch's `dcp_to_torch_save` joins them into full tensors
@@ -8,6 +9,11 @@ two files DeepSpeed's universal loader reads besides: the optimizer's common sta
 version and group hyperparameters) and the engine state (`mp_rank_00_model_states.pt`: LR
 schedule, step counters and client state, and the module state whose buffers
 `universal.saved_buffers` reads). `checkpoint.load_universal` then cuts this like any conversion.
+
+Under fp32 ZeRO-0 DeepSpeed steps a bare torch optimizer, and its model states file holds the whole
+weights, torch's optimizer state keyed by position and the engine state itself; `ds_to_universal`
+reads ZeRO's optimizer files only, so the same writer takes it, the positions named by the order
+the save recorded.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from deepspeed.checkpoint.constants import DS_VERSION, PARAM
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from engine.parallel.universal import publish_universal
+from engine.parallel.universal import publish_universal, saved_optimizer_order
 
 ENGINE_STATE = "engine_state.pt"  # the accelerate backend's schedule and client state, beside its DCP files
 
@@ -29,16 +35,44 @@ def universal_from_torch(tag_dir: Path, train_batch_size: int) -> Path:
     """The universal form of accelerate checkpoint `tag_dir` (`universal.publish_universal`).
     `train_batch_size` counts DeepSpeed's samples seen (the monitors' x axis), which the accelerate
     backend does not record."""
-    return publish_universal(tag_dir, lambda staging: _write_universal(tag_dir, staging, train_batch_size))
+    return publish_universal(tag_dir, lambda staging: _from_dcp(tag_dir, staging, train_batch_size))
 
 
-def _write_universal(tag_dir: Path, staging: Path, train_batch_size: int) -> None:
-    (staging / "zero").mkdir(parents=True)
+def universal_from_zero0(tag_dir: Path) -> Path:
+    """The universal form of a DeepSpeed fp32 ZeRO-0 checkpoint `tag_dir`. Its model states hold the
+    whole weights and torch's own optimizer state, keyed by position; the save recorded which
+    parameter each position is (`OPTIMIZER_ORDER`). `ds_to_universal` reads ZeRO partitions only."""
+    return publish_universal(tag_dir, lambda staging: _from_zero0(tag_dir, staging))
+
+
+def _from_dcp(tag_dir: Path, staging: Path, train_batch_size: int) -> None:
+    staging.mkdir()
     whole = staging / "whole.pt"
     dcp_to_torch_save(tag_dir, whole)
     state = torch.load(whole, map_location="cpu", weights_only=False)
     whole.unlink()
-    model, optimizer = state["model"], state["optimizer"]
+    _write(staging, state["model"], state["optimizer"], _engine_state(tag_dir, state["model"], train_batch_size))
+
+
+def _from_zero0(tag_dir: Path, staging: Path) -> None:
+    engine_state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    order = saved_optimizer_order(tag_dir)
+    optimizer = engine_state.pop("optimizer")
+    by_name = {
+        "state": {order[index]: state for index, state in optimizer["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[i] for i in group["params"]]} for group in optimizer["param_groups"]
+        ],
+    }
+    staging.mkdir()
+    _write(staging, engine_state["module"], by_name, engine_state)
+
+
+def _write(
+    staging: Path, model: dict[str, torch.Tensor], optimizer: dict[str, Any], engine_state: dict[str, Any]
+) -> None:
+    """`model` and torch's full `optimizer` state dict (keyed by name) as a universal checkpoint."""
+    (staging / "zero").mkdir()
     for name, adam in optimizer["state"].items():
         folder = staging / "zero" / name
         folder.mkdir()
@@ -48,7 +82,7 @@ def _write_universal(tag_dir: Path, staging: Path, train_batch_size: int) -> Non
         torch.save(adam["step"], folder / "step.pt")
     groups = [{**group, "params": list(range(len(group["params"])))} for group in optimizer["param_groups"]]
     torch.save({DS_VERSION: deepspeed.__version__, "param_groups": groups}, staging / "zero" / "optimizer_state.pt")
-    torch.save(_engine_state(tag_dir, model, train_batch_size), staging / "mp_rank_00_model_states.pt")
+    torch.save(engine_state, staging / "mp_rank_00_model_states.pt")
 
 
 def _engine_state(tag_dir: Path, model: dict[str, torch.Tensor], train_batch_size: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from deepspeed.checkpoint.constants import (
 )
 from torch import nn
 
-from engine.reshape import NAMES_FOLDER
+from engine.reshape import NAMES_FOLDER, OPTIMIZER_ORDER
 from models.common import persistent_buffers
 from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
 
@@ -105,6 +105,14 @@ def save_names(tag_dir: Path, rank: int, names: Mapping[str, str]) -> None:
     path = tag_dir / NAMES_FOLDER / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(names, indent=1, sort_keys=True))
+
+
+def save_optimizer_order(tag_dir: Path, names: Sequence[str]) -> None:
+    (tag_dir / NAMES_FOLDER / OPTIMIZER_ORDER).write_text(json.dumps(list(names), indent=1))
+
+
+def saved_optimizer_order(tag_dir: Path) -> list[str]:
+    return json.loads((tag_dir / NAMES_FOLDER / OPTIMIZER_ORDER).read_text())
 
 
 def saved_names(tag_dir: Path) -> dict[str, str]:
