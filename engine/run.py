@@ -199,8 +199,9 @@ def run(config_path: str, overrides: list[str], between_steps: Callable[[int], N
     try:
         prepared = prepare(config_path, overrides)
     except (ConfigError, RunError) as error:
-        if is_main_process():
-            print(error, file=sys.stderr)
+        # Every rank prints: the launcher ends the others as soon as the first one exits, so a
+        # message left to rank 0 alone is lost whenever another rank gets there first.
+        print(error, file=sys.stderr)
         return 2
 
     trainer = prepared.config.trainer
