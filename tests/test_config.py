@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -479,3 +480,19 @@ def test_config_reference_is_generated_from_the_schema():
     assert committed == render_reference(), "docs/config_reference.md is stale: run `python -m engine docs`"
     for key in ("zero_optimization.offload_param.device", "model.n_head", "trainer.resume", "data.seq_len"):
         assert f"`{key}`" in committed
+
+
+def test_every_rank_prints_a_config_error(tmp_path: Path):
+    # The launcher ends the other ranks as soon as one exits, so rank 1 must not leave the message to rank 0.
+    rank_one = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    result = subprocess.run(
+        [sys.executable, "engine/main.py", "--deepspeed_config", "configs/tiny_gpt.json"]
+        + ["--set=trainer.max_steps=0", f"--set=trainer.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **rank_one},
+    )
+    assert result.returncode == 2
+    assert "trainer.max_steps" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "logs").exists()
