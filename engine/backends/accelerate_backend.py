@@ -236,7 +236,7 @@ class AccelerateBackend(Backend):
 
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
-        rank holds (`engine/parallel/universal_to_torch.py`). Rank 0 alone reads the tensors; torch
+        rank holds (`engine/parallel/universal_to_torch.py`). Rank 0 alone maps the tensors; torch
         broadcasts them one at a time."""
         state = full_state(tag_dir, self._unwrapped(), self.optimizer) if dist.get_rank() == 0 else FullState({}, {})
         # Not `set_state_dict`: on the ranks given an empty model state it loads the optimizer only,

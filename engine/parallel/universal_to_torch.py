@@ -9,6 +9,8 @@ the LR schedule and client state from DeepSpeed's engine state.
 
 One rank reads the tensors (`full_state`) and torch broadcasts them one by one: were every rank to
 read them, a node would hold the whole model and both Adam moments once per rank in host memory.
+That rank maps the files instead of reading them: each tensor is paged in as torch sends it, and
+the pages stay the kernel's to drop (copy-on-write, should the run write to one it keeps).
 Every rank reads the schedule and client state (`progress`), memory-mapped, so the whole weights
 DeepSpeed keeps beside them in the same file are never read.
 """
@@ -102,7 +104,7 @@ def progress(tag_dir: Path) -> Progress:
 
 def _read(path: Path, shape: torch.Size) -> torch.Tensor:
     """One state of a parameter, shaped as the parameter: a ZeRO-3 conversion keeps it flat."""
-    return torch.load(path, weights_only=False)[PARAM].view(shape)
+    return torch.load(path, weights_only=False, mmap=True)[PARAM].view(shape)
 
 
 def _engine_state(universal_dir: Path) -> dict[str, Any]:
