@@ -14,6 +14,9 @@ Under fp32 ZeRO-0 DeepSpeed steps a bare torch optimizer, and its model states f
 weights, torch's optimizer state keyed by position and the engine state itself; `ds_to_universal`
 reads ZeRO's optimizer files only, so the same writer takes it, the positions named by the order
 the save recorded.
+
+Both sources are memory-mapped, not read: each tensor streams from the page cache into its own
+file, so the conversion never holds the model and both Adam moments in its own memory.
 """
 
 from __future__ import annotations
@@ -49,13 +52,13 @@ def _from_dcp(tag_dir: Path, staging: Path, train_batch_size: int) -> None:
     staging.mkdir()
     whole = staging / "whole.pt"
     dcp_to_torch_save(tag_dir, whole)
-    state = torch.load(whole, map_location="cpu", weights_only=False)
-    whole.unlink()
+    state = torch.load(whole, map_location="cpu", weights_only=False, mmap=True)
+    whole.unlink()  # the mapping keeps the file's pages until the tensors are written
     _write(staging, state["model"], state["optimizer"], _engine_state(tag_dir, state["model"], train_batch_size))
 
 
 def _from_zero0(tag_dir: Path, staging: Path) -> None:
-    engine_state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    engine_state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False, mmap=True)
     order = saved_optimizer_order(tag_dir)
     optimizer = engine_state.pop("optimizer")
     by_name = {

@@ -129,14 +129,15 @@ def saved_buffers(tag_dir: Path, wanted: Sequence[str]) -> dict[str, torch.Tenso
     DeepSpeed's universal load skips the module state where the buffers are; so they are read from
     the module states DeepSpeed saved: one file per tensor-parallel rank, or under a pipeline one
     per layer (`layer_NN-...`, the layer named `NN` in the pipeline module). Those files hold the
-    weights too, so a model without buffers (GPT) reads none of them."""
+    weights too, so a model without buffers (GPT) reads none of them, and the files are mapped: only
+    the buffers' pages are read."""
     if not wanted:
         return {}
     canonical = saved_names(tag_dir)
     tensors: dict[str, torch.Tensor] = {}
     # The engine state of an accelerate checkpoint's conversion (`torch_to_universal`) holds them too.
     for path in sorted([*tag_dir.glob("*model_states.pt"), *(tag_dir / UNIVERSAL_FOLDER).glob("*model_states.pt")]):
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         if path.name.startswith("layer_"):
             prefix = str(int(path.name.removeprefix("layer_").split("-")[0])) + "."
         else:
@@ -205,7 +206,7 @@ def _zero12_optimizer_state(universal_dir: Path) -> None:
     if DS_VERSION in common:
         return
     (model_states,) = universal_dir.glob(ZERO3_PREFIX + "mp_rank_*_model_states.pt")
-    saved = torch.load(model_states, map_location="cpu", weights_only=False)
+    saved = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)  # no weights read
     common[DS_VERSION] = saved[DS_VERSION]
     common[CLIP_GRAD] = saved["ds_config"].get("gradient_clipping", 0.0)
     step = common[OPTIMIZER_STATE_DICT]["state"][0]["step"]  # as ZeRO-3's loader reads it: one for all
