@@ -253,7 +253,7 @@ ACCELERATE_TO_DEEPSPEED = {
 @pytest.mark.launch
 @pytest.mark.parametrize("name", sorted(ACCELERATE_TO_DEEPSPEED))
 def test_accelerate_checkpoint_resumes_under_deepspeed(fsdp: Run, name: str, tmp_path: Path):
-    """torch joins FSDP's row pieces into whole tensors (`dcp_to_torch_save`), written as a universal
+    """torch's DCP reader joins FSDP's row pieces into whole tensors, written as a universal
     checkpoint that DeepSpeed cuts into its partitions or pipeline stages, under the names the
     accelerate run recorded."""
     overrides, nproc = ACCELERATE_TO_DEEPSPEED[name]

@@ -2,8 +2,9 @@
 resume on any layout: an accelerate backend's, and DeepSpeed's own fp32 ZeRO-0 one.
 
 The accelerate backend saves torch distributed checkpoints of `get_state_dict`: whole tensors
-under DDP, FSDP2's row pieces as DTensors. torch's `dcp_to_torch_save` joins them into full tensors
-in one process, which are what a universal checkpoint holds per parameter: the fp32 weight, Adam's
+under DDP, FSDP2's row pieces as DTensors. torch's DCP reader joins them into full tensors in one
+process (as its `dcp_to_torch_save` does, but a few keys at a time), which are what a universal
+checkpoint holds per parameter: the fp32 weight, Adam's
 moments and step, each in the `{"param": tensor}` form `ds_to_universal` writes. Around them go the
 two files DeepSpeed's universal loader reads besides: the optimizer's common state (DeepSpeed
 version and group hyperparameters) and the engine state (`mp_rank_00_model_states.pt`: LR
@@ -15,19 +16,24 @@ weights, torch's optimizer state keyed by position and the engine state itself; 
 reads ZeRO's optimizer files only, so the same writer takes it, the positions named by the order
 the save recorded.
 
-Both sources are memory-mapped, not read: each tensor streams from the page cache into its own
-file, so the conversion never holds the model and both Adam moments in its own memory.
+Neither conversion holds the model and both Adam moments in memory at once. ZeRO-0's model states
+are memory-mapped, so each tensor streams from the page cache into its own file. From DCP the
+weights are read whole (the engine state carries them, as DeepSpeed's own does) and each
+parameter's Adam state only when its folder is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 from deepspeed.checkpoint.constants import DS_VERSION, PARAM
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from engine.parallel.universal import publish_universal, saved_optimizer_order
 
@@ -49,12 +55,24 @@ def universal_from_zero0(tag_dir: Path) -> Path:
 
 
 def _from_dcp(tag_dir: Path, staging: Path, train_batch_size: int) -> None:
+    reader = FileSystemReader(tag_dir)
+    paths = reader.read_metadata().planner_data.values()
+    # Flattened keys of an optimizer state are ("optimizer", "state", parameter name, "exp_avg").
+    names = dict.fromkeys(path[2] for path in paths if path[:2] == ("optimizer", "state"))
+    saved = _read_dcp(reader, {"model", "optimizer.param_groups"})
+    adam = ((name, _read_dcp(reader, {f"optimizer.state.{name}"})["optimizer"]["state"][name]) for name in names)
     staging.mkdir()
-    whole = staging / "whole.pt"
-    dcp_to_torch_save(tag_dir, whole)
-    state = torch.load(whole, map_location="cpu", weights_only=False, mmap=True)
-    whole.unlink()  # the mapping keeps the file's pages until the tensors are written
-    _write(staging, state["model"], state["optimizer"], _engine_state(tag_dir, state["model"], train_batch_size))
+    engine_state = _engine_state(tag_dir, saved["model"], train_batch_size)
+    _write(staging, saved["model"], saved["optimizer"]["param_groups"], adam, engine_state)
+
+
+def _read_dcp(reader: FileSystemReader, keys: set[str]) -> dict[str, Any]:
+    """The entries of a DCP checkpoint under `keys` (dotted prefixes of the saved nesting), whole, in
+    this process alone. The loader and planner are the ones torch's `dcp_to_torch_save` runs (both
+    private to torch); its planner takes `keys` to read only those entries."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    return state
 
 
 def _from_zero0(tag_dir: Path, staging: Path) -> None:
@@ -68,22 +86,28 @@ def _from_zero0(tag_dir: Path, staging: Path) -> None:
         ],
     }
     staging.mkdir()
-    _write(staging, engine_state["module"], by_name, engine_state)
+    _write(staging, engine_state["module"], by_name["param_groups"], by_name["state"].items(), engine_state)
 
 
 def _write(
-    staging: Path, model: dict[str, torch.Tensor], optimizer: dict[str, Any], engine_state: dict[str, Any]
+    staging: Path,
+    model: dict[str, torch.Tensor],
+    groups: list[dict[str, Any]],
+    adam_states: Iterable[tuple[str, dict[str, Any]]],
+    engine_state: dict[str, Any],
 ) -> None:
-    """`model` and torch's full `optimizer` state dict (keyed by name) as a universal checkpoint."""
+    """`model` and torch's full optimizer state (its param `groups` and each parameter's Adam state,
+    by name) as a universal checkpoint. Each Adam state is taken from `adam_states` as its folder is
+    written, so a caller can read them one at a time."""
     (staging / "zero").mkdir()
-    for name, adam in optimizer["state"].items():
+    for name, adam in adam_states:
         folder = staging / "zero" / name
         folder.mkdir()
         torch.save({PARAM: model[name].float()}, folder / "fp32.pt")
         for key in ("exp_avg", "exp_avg_sq"):
             torch.save({PARAM: adam[key].float()}, folder / f"{key}.pt")
         torch.save(adam["step"], folder / "step.pt")
-    groups = [{**group, "params": list(range(len(group["params"])))} for group in optimizer["param_groups"]]
+    groups = [{**group, "params": list(range(len(group["params"])))} for group in groups]
     torch.save({DS_VERSION: deepspeed.__version__, "param_groups": groups}, staging / "zero" / "optimizer_state.pt")
     torch.save(engine_state, staging / "mp_rank_00_model_states.pt")
 
