@@ -4,12 +4,12 @@ resume on any layout: an accelerate backend's, and DeepSpeed's own fp32 ZeRO-0 o
 The accelerate backend saves torch distributed checkpoints of `get_state_dict`: whole tensors
 under DDP, FSDP2's row pieces as DTensors. torch's DCP reader joins them into full tensors in one
 process (as its `dcp_to_torch_save` does, but a few keys at a time), which are what a universal
-checkpoint holds per parameter: the fp32 weight, Adam's
-moments and step, each in the `{"param": tensor}` form `ds_to_universal` writes. Around them go the
-two files DeepSpeed's universal loader reads besides: the optimizer's common state (DeepSpeed
-version and group hyperparameters) and the engine state (`mp_rank_00_model_states.pt`: LR
-schedule, step counters and client state, and the module state whose buffers
-`universal.saved_buffers` reads). `checkpoint.load_universal` then cuts this like any conversion.
+checkpoint holds per parameter: the fp32 weight, Adam's moments and step, each in the
+`{"param": tensor}` form `ds_to_universal` writes. Around them go the two files DeepSpeed's
+universal loader reads besides: the optimizer's common state (DeepSpeed version and group
+hyperparameters) and the engine state (`mp_rank_00_model_states.pt`: LR schedule, step counters
+and client state, and the module state whose buffers `universal.saved_buffers` reads).
+`checkpoint.load_universal` then cuts this like any conversion.
 
 Under fp32 ZeRO-0 DeepSpeed steps a bare torch optimizer, and its model states file holds the whole
 weights, torch's optimizer state keyed by position and the engine state itself; `ds_to_universal`
