@@ -220,15 +220,21 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def gather_tensor_parallel(
-    tensors: Mapping[str, torch.Tensor], shards: Mapping[str, Shard], group: dist.ProcessGroup | None
+    tensors: Mapping[str, torch.Tensor],
+    shards: Mapping[str, Shard],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Full tensors from this rank's shards (a collective over `group`); replicated ones as they are."""
+    """Full tensors from this rank's shards (a collective over `group`); replicated ones as they are.
+
+    Each shard travels through `device`, the group's own (NCCL gathers device tensors only), and
+    comes back to where `tensors` lie, so only one joined tensor at a time occupies the device."""
     full = dict(tensors)
     if group is None or dist.get_world_size(group) == 1:
         return full
     for name, shard in shards.items():
-        local = tensors[name].contiguous()
+        local = tensors[name].to(device).contiguous()
         pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, local, group=group)
-        full[name] = unshard_tensors(pieces, shard)
+        full[name] = unshard_tensors(pieces, shard).to(tensors[name].device)
     return full

@@ -324,6 +324,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
                 is_writer=self.grid.get_data_parallel_rank() == 0 and self.grid.get_slice_parallel_rank() == 0,
                 mixed_precision=self._mixed_precision,
                 masters=fp16_optimizer_masters(self.engine.optimizer),
+                device=self.device,
             )
         if dist.get_rank() != 0:
             return None

@@ -77,12 +77,14 @@ def gather_full_state(
     is_writer: bool,
     mixed_precision: bool,
     masters: Mapping[int, torch.Tensor],
+    device: torch.device,
 ) -> dict[str, torch.Tensor] | None:
     """Rank 0's full state dict under the unsplit model's names; None on every other rank.
 
     Collective over the world. `is_writer` marks the one rank per pipeline stage (data replica 0,
     tensor shard 0) whose gathered stage is sent to rank 0; `masters` are fp32 masters that
-    DeepSpeed's own accessor does not find (see `fp16_optimizer_masters`).
+    DeepSpeed's own accessor does not find (see `fp16_optimizer_masters`); `device` is the one the
+    tensor-parallel group communicates on. The values themselves are gathered on the host.
     """
     local: dict[str, torch.Tensor] = {}
     shards = {}
@@ -93,7 +95,7 @@ def gather_full_state(
         local[name] = fp32_value(tensor, mixed_precision, masters)
         if hasattr(tensor, SHARD_ATTRIBUTE):
             shards[name] = getattr(tensor, SHARD_ATTRIBUTE)
-    stage = gather_tensor_parallel(local, shards, tensor_group)
+    stage = gather_tensor_parallel(local, shards, tensor_group, device)
     parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.gather_object(stage if is_writer else None, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
