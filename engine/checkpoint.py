@@ -115,10 +115,28 @@ def save_checkpoint(
 
 
 def publish(root: Path, staging: str, tag: str) -> None:
-    """Make `staging` the checkpoint `tag` and name it in `latest`: two atomic renames."""
-    if (root / tag).exists():  # the same step saved again, after a resume from an earlier one
-        shutil.rmtree(root / tag)
+    """Make `staging` the checkpoint `tag` and name it in `latest`, by atomic renames only, so that at
+    any instant `latest` names a complete checkpoint."""
+    replaced = root / (tag + ".replaced" + PARTIAL)  # swept with the stale saves if a crash strands it
+    if (root / tag).exists():
+        # The same step saved again, after a resume from an earlier one. The old copy is renamed
+        # aside, not deleted, until the new one has its name; should `latest` name the old copy,
+        # it names the newest other checkpoint while the two trade places.
+        if latest_tag(root) == tag and (others := [name for name in _published_tags(root) if name != tag]):
+            _name_latest(root, others[-1])
+        os.replace(root / tag, replaced)
     os.replace(root / staging, root / tag)
+    _name_latest(root, tag)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+
+
+def _published_tags(root: Path) -> list[str]:
+    """The published tags under `root`, oldest step first."""
+    return sorted(path.name for path in root.iterdir() if path.is_dir() and _TAG.match(path.name))
+
+
+def _name_latest(root: Path, tag: str) -> None:
     pending = root / (LATEST + PARTIAL)
     with open(pending, "w") as handle:
         handle.write(tag)
@@ -131,7 +149,7 @@ def prune(root: Path, keep_last: int) -> list[str]:
     """Delete all but the newest `keep_last` published tags (0: keep all); returns what went."""
     if keep_last <= 0:
         return []
-    tags = sorted(path.name for path in root.iterdir() if path.is_dir() and _TAG.match(path.name))
+    tags = _published_tags(root)
     current = latest_tag(root)
     doomed = [tag for tag in tags[:-keep_last] if tag != current]
     for tag in doomed:

@@ -4,6 +4,7 @@ states must come back too, and so must each rank's batch-norm statistics)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,35 @@ def test_publish_renames_the_staging_directory_then_replaces_latest(tmp_path: Pa
     assert latest_tag(tmp_path) == "step00000004"
     assert not (tmp_path / ("step00000004" + PARTIAL)).exists()
     assert not (tmp_path / (LATEST + PARTIAL)).exists()
+
+
+def test_resaving_the_step_latest_names_keeps_a_complete_checkpoint_named_throughout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A resume from step 2 while `latest` names step 4 saves step 4 again: a crash as the new copy
+    takes the old one's name must leave `latest` naming a checkpoint that is there, whole."""
+    for tag in ("step00000002", "step00000004", "step00000004" + PARTIAL):
+        make_tag(tmp_path, tag)
+    (tmp_path / LATEST).write_text("step00000004")
+    real_replace = os.replace
+
+    def crash_on_the_staging_rename(source: Path, target: Path) -> None:
+        if Path(source).name == "step00000004" + PARTIAL:
+            raise OSError("killed")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_on_the_staging_rename)
+    with pytest.raises(OSError, match="killed"):
+        publish(tmp_path, "step00000004" + PARTIAL, "step00000004")
+    assert latest_tag(tmp_path) == "step00000002"
+    assert (tmp_path / "step00000002" / "weights.pt").read_text() == "step00000002"
+
+    monkeypatch.setattr(os, "replace", real_replace)
+    (tmp_path / ("step00000004" + PARTIAL) / "weights.pt").write_text("new")
+    publish(tmp_path, "step00000004" + PARTIAL, "step00000004")
+    assert latest_tag(tmp_path) == "step00000004"
+    assert (tmp_path / "step00000004" / "weights.pt").read_text() == "new"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step00000002", "step00000004"]
 
 
 def test_prune_keeps_the_newest_and_never_the_one_latest_names(tmp_path: Path):
