@@ -105,6 +105,23 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
     return config
 
 
+def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
+    """Refuse a classifier with fewer outputs than the data has classes: its loss would fail in the
+    first forward (on a GPU as a device-side assert), after every process group had started."""
+    if bundle.num_classes is None or config.model["num_classes"] >= bundle.num_classes:
+        return
+    raise ConfigError(
+        [
+            ConfigIssue(
+                "model.num_classes",
+                f"{config.model['num_classes']} is fewer than the {bundle.num_classes} classes of the data "
+                f'(data.type "{config.data["type"]}"); raise it to at least {bundle.num_classes}',
+            )
+        ],
+        str(config.source),
+    )
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What `prepare` established before any process group: the run may now start."""
@@ -131,6 +148,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
         saved = read_layout(resume[0] / resume[1]) if resume else None
         config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
+        check_classes(config, bundle)
         reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
         fault = fault_from_env()
     except (FileNotFoundError, ValueError) as error:

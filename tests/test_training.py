@@ -140,6 +140,24 @@ def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str
     assert "init_distributed" not in result.stdout + result.stderr
 
 
+def test_a_classifier_smaller_than_the_image_classes_stops_before_any_process_group(tmp_path: Path):
+    for label in ("cat", "dog", "owl"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for index in range(4):
+            Image.new("RGB", (8, 8), (index, 0, 0)).save(tmp_path / "images" / label / f"{index}.png")
+    overrides = {
+        "data.type": "image",
+        "data.path": str(tmp_path / "images"),
+        "data.validation_fraction": 0.25,
+        "model.num_classes": 2,
+    }
+    result = run_single("configs/tiny_resnet.json", overrides, tmp_path / "run")
+    assert result.returncode == 2
+    assert "model.num_classes: 2 is fewer than the 3 classes of the data" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "init_distributed" not in result.stdout + result.stderr
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize(
     "launcher,command",
