@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.paired import PAIRED
+from engine import metrics
 from engine.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +112,7 @@ def _run(command: list[str], overrides: list[str], run_dir: Path) -> None:
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return metrics.read_records(run_dir / "metrics.jsonl")
 
 
 def rounds(

@@ -5,6 +5,7 @@ here already reduced over ranks; this module never communicates."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,12 +91,23 @@ def _short(value: Any) -> str:
     return str(value)
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a metrics.jsonl. A last line without its newline is a write that a
+    crash, a full disk or a reader racing the run caught half done, not a record."""
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 def rewind(path: Path, step: int) -> None:
     """Drop records after `step`: a run resumed from an earlier checkpoint in the same directory
-    continues the curve from there instead of repeating steps after the ones a crash lost."""
+    continues the curve from there instead of repeating steps after the ones a crash lost. A half
+    written last line goes too, or the next record would be appended to it. The file is replaced
+    by rename, so a crash here leaves the old one whole."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    if len(kept) != len(lines):
-        path.write_text("".join(kept))
+    kept = [record for record in read_records(path) if record["step"] <= step]
+    text = "".join(json.dumps(record) + "\n" for record in kept)
+    if text != path.read_text():
+        pending = path.with_name(path.name + ".partial")
+        pending.write_text(text)
+        os.replace(pending, path)

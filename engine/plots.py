@@ -9,10 +9,11 @@ pyplot: no display, no global figure state, the Agg renderer for PNG.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from engine.metrics import read_records
 
 PLOTS_FOLDER = "plots"
 
@@ -33,7 +34,7 @@ def read_metrics(run_dir: Path) -> Records:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory, or no step was logged yet")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def write_plots(run_dir: Path) -> list[Path]:

@@ -17,7 +17,7 @@ from engine.config import ConfigError, load_config
 from engine.config.load import check_document
 from engine.distributed import destroy_process_group, init_process_group
 from engine.hardware import Hardware
-from engine.metrics import MetricsLogger
+from engine.metrics import MetricsLogger, read_records
 from engine.plots import write_plots
 from engine.sinks import DEEPSPEED_ENGINE_EVENTS, MonitorSink, record_events
 from tests.support.launch import ROOT, free_port
@@ -106,6 +106,19 @@ def test_plots_skip_only_what_the_file_lacks(tmp_path: Path):
 def test_plotting_a_directory_without_metrics_is_one_clear_error(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="has no metrics.jsonl"):
         write_plots(tmp_path)
+
+
+def test_a_half_written_last_record_is_no_record_and_a_resume_drops_it(tmp_path: Path):
+    """A crash (or `python -m engine plot` racing the run) can meet the last line half written."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in synthetic_records(3)) + '{"step": 4, "lo')
+    assert [record["step"] for record in read_records(path)] == [1, 2, 3]
+    assert write_plots(tmp_path)
+
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=5, start_step=3, progress_bar=False)
+    logger.log({"step": 4, "loss": 1.0})
+    logger.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_record_events_are_named_in_deepspeeds_style_at_samples_seen():
