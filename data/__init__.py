@@ -36,7 +36,7 @@ class DataBundle:
     train: Dataset
     validation: Dataset
     tokenizer: Tokenizer | None
-    """Text only; saved with checkpoints so generation can decode."""
+    """Text only; saved with the export, so generation from it can decode."""
     vocab_size: int | None
     """Text and synthetic tokens: the size the model's embedding must have."""
     num_classes: int | None

@@ -134,7 +134,7 @@ def load_tokenizer(spec: str, training_text: str | None) -> Tokenizer:
 
 
 def load_saved_tokenizer(directory: Path) -> Tokenizer:
-    """Read back what `Tokenizer.save` wrote, e.g. from a checkpoint for generation."""
+    """Read back what `Tokenizer.save` wrote, e.g. into an export, for generation."""
     directory = Path(directory)
     config_path = directory / SIMPLE_TOKENIZER_FILE
     if config_path.is_file():

@@ -1,4 +1,5 @@
-"""`python -m engine validate|train|schema|docs ...`"""
+"""`python -m engine COMMAND ...`: validate, train, plan, explain, plot, schema, docs and the launch
+helpers (`python -m engine --help` lists them)."""
 
 import sys
 

@@ -1,5 +1,5 @@
 """Entry point for launchers: `deepspeed engine/main.py --deepspeed_config CONFIG [--set k=v ...]`,
-`python engine/main.py ...` for one process, and later `accelerate launch engine/main.py ...`."""
+`python engine/main.py ...` for one process, and `accelerate launch engine/main.py ...`."""
 
 import atexit
 import os

@@ -133,8 +133,9 @@ def pooled_costs(samples: Sequence[dict[str, list[float]]]) -> list[dict[str, fl
 def replay_in_stage_time(
     stages: Sequence[Sequence[PipelineEvent]], costs: Sequence[dict[str, float]] | None = None
 ) -> list[list[PipelineEvent]]:
-    """The stages' recorded forward/backward order, re-timed with each stage's median forward and
-    median backward compute seconds, every pass as early as its stage and its input allow, everything else free.
+    """The stages' recorded forward/backward order, re-timed with each stage's forward and backward
+    compute seconds (`costs`; by default the medians of the recorded passes, `pass_costs`), every
+    pass as early as its stage and its input allow, everything else free.
 
     Stage s's forward of micro-batch i needs stage s-1's; its backward needs stage s+1's. Raises
     ValueError when the recorded orders cannot all run (not a pipeline schedule)."""

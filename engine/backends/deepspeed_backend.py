@@ -1,6 +1,9 @@
 """DeepSpeed as the engine's primary backend: ZeRO 0-3, CPU offload, mixed precision,
 accumulation, clipping, optimizer and LR schedule all come from `deepspeed.initialize` with the
-resolved config; this class only adapts DeepSpeedEngine to the Backend interface.
+resolved config. This class adapts DeepSpeedEngine to the Backend interface, and adds what the
+engine needs beside it: under fp32 ZeRO-0, torch's gradient clipping and, on one data-parallel
+rank, no backward all-reduce (docs/design.md); the mending of ZeRO-3's universal loads; and the
+fp32 masters read for the export.
 
 Under tensor parallelism the engine is given DeepSpeed's `PipelineParallelGrid` (one stage) as its
 `mpu`, which is how DeepSpeed learns the data-parallel group to reduce gradients over and the

@@ -76,7 +76,7 @@ class InstructionTimer:
     def __init__(self, engine: PipelineEngine, device: torch.device):
         self.events: list[PipelineEvent] = []
         # Every recorded step's forward and backward compute seconds: the stage's cost per pass is
-        # their median, steadier than one step's four or eight passes on a noisy machine.
+        # their minimum (timeline.pooled_costs), steadier than one step's passes on a noisy machine.
         self.compute_samples: dict[str, list[float]] = {"forward": [], "backward": []}
         self._recording: list[PipelineEvent] | None = None
         self._seen: Counter[str] = Counter()

@@ -6,8 +6,8 @@ those back into whatever partitions the loading run has. Two things it cannot kn
 here. How this engine's tensor-parallel layers cut each weight: `universal_info` describes every
 parameter in the pattern vocabulary the converter reads from the checkpoint. And the names: a
 pipeline stage calls a parameter `3.attn.c_attn.weight` where the whole model says
-`transformer.h.1.attn.c_attn.weight`; `rename_parameters` moves the folders from the saving run's
-names to the loading run's, through the unsplit model's names both record.
+`transformer.h.1.attn.c_attn.weight`; `loading_view` links the folders, saved under the saving
+run's names, under the loading run's, through the unsplit model's names both record.
 """
 
 from __future__ import annotations
