@@ -96,7 +96,9 @@ def resnet_flops_per_image(arch: Mapping[str, Any], image_size: int) -> int:
     allocated or computed, and the run's own model, possibly sharded or wrapped, is left alone.
     """
     with torch.device("meta"):
-        model = build_module(arch)
+        # Evaluation mode: training-mode BatchNorm refuses a one-image batch whose last feature map
+        # is 1x1 (a 32-pixel CIFAR image); the multiply-adds are the same in either mode.
+        model = build_module(arch).eval()
         example = torch.empty(1, 3, image_size, image_size)
     return FLOPS_PER_MAC * TRAINING_PASSES * forward_macs(model, example)
 

@@ -321,6 +321,15 @@ def test_every_schema_error_is_reported_at_once():
             "parallel.pipeline_parallel_size: 9 stages for a model of 8 BasicBlock blocks",
         ),
         (with_changes(parallel__pipeline_parallel_size=2), 3, "parallel: world size 3 is not divisible by"),
+        (
+            {
+                **with_changes(train_micro_batch_size_per_gpu=1, train_batch_size=1),
+                "model": {"family": "resnet", "preset": "resnet18"},
+                "data": {"type": "synthetic", "image_size": 32},
+            },
+            1,
+            "train_micro_batch_size_per_gpu: 1 image of 32 pixels leaves ResNet's BatchNorm one value",
+        ),
     ],
 )
 def test_rules_name_the_path_and_the_fix(document: dict, world_size: int, expected: str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,23 @@ def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert "init_distributed" not in result.stdout + result.stderr
+
+
+def test_resnet_trains_at_cifars_32_pixels(tmp_path: Path):
+    """At 32 pixels ResNet's last feature map is 1x1: what counts the model's FLOPs and plans its
+    memory must not run training-mode BatchNorm on a single image."""
+    overrides = {"data.image_size": 32, "train_micro_batch_size_per_gpu": 2, "trainer.max_steps": 2}
+    result = run_single("configs/tiny_resnet.json", overrides, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [record["step"] for record in read_run(tmp_path).records] == [1, 2]
+    plan = subprocess.run(
+        [sys.executable, "-m", "engine", "plan", "configs/tiny_resnet.json", "--world-size", "1"]
+        + [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert plan.returncode == 0, plan.stderr[-3000:]
 
 
 def test_a_classifier_smaller_than_the_image_classes_stops_before_any_process_group(tmp_path: Path):

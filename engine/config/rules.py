@@ -253,6 +253,15 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
             yield ConfigIssue(
                 "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
             )
+    # Five stride-2 steps: a 32-pixel image ends as a 1x1 map, one value per channel per image,
+    # which training-mode BatchNorm cannot normalise.
+    one_image = _known(document.get("train_micro_batch_size_per_gpu")) == 1
+    if model["family"] == "resnet" and one_image and data["image_size"] <= 32:
+        yield ConfigIssue(
+            "train_micro_batch_size_per_gpu",
+            f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
+            "last stage (a 1x1 map); use a micro-batch of 2 or more",
+        )
     if model["init_from"] is not None and not os.path.exists(model["init_from"]):
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
 
