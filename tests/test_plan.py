@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.utils import partition_balanced
 
 from engine.config import load_config
 from engine.hardware import detect_hardware
 from engine.plan import parse_bytes, plan_run
+from models import get_family
 from tests.support.launch import ROOT
 
 GPT2 = "configs/gpt2_124m.json"
@@ -188,3 +193,19 @@ def test_memory_sizes_parse_in_both_unit_systems():
     assert parse_bytes("1024") == 1024
     with pytest.raises(ValueError):
         parse_bytes("80GB?")
+
+
+@pytest.mark.parametrize("config", ["configs/tiny_resnet.json", "configs/tiny_gpt.json"])
+def test_the_type_partition_splits_the_blocks_where_deepspeed_does(config: str):
+    """DeepSpeed's own matcher (`PipelineModule._find_layer_type`, a regular expression searched in
+    each layer's class name) and its balancing, against the layer ranges the planner reports."""
+    overrides = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_partition_method=type"]
+    plan = plan_run(load_config(config, overrides, world_size=2, hardware=detect_hardware(local_world_size=2)))
+    family = get_family(plan.config.model["family"])
+    with torch.device("meta"):
+        layers = family.pipeline.layers(family.build(plan.config.model))
+    matcher = types.SimpleNamespace(_layer_specs=layers)
+    blocks = PipelineModule._find_layer_type(matcher, family.pipeline.block_type)
+    parts = partition_balanced([1 if index in blocks else 0 for index in range(len(layers))], num_parts=2)
+    assert len(blocks) == family.pipeline.num_blocks(family.architecture(plan.config.model))
+    assert [rank.layers for rank in plan.ranks] == [f"layers {parts[s]}-{parts[s + 1] - 1}" for s in (0, 1)]

@@ -5,6 +5,7 @@ its pipeline layers are cut into stages the way DeepSpeed's `PipelineModule` cut
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,8 +77,9 @@ def stage_parameters(
     if partition_method == "uniform":
         parts = partition_uniform(num_items=len(layers), num_parts=stages)
     elif partition_method == "type":
-        block = family.pipeline.block_type.lower()
-        weights = [1 if block in type(module).__name__.lower() else 0 for module in built]
+        # A regular expression searched in each class name, as DeepSpeed's `_find_layer_type` does.
+        block = re.compile(family.pipeline.block_type, re.IGNORECASE)
+        weights = [1 if block.search(type(module).__name__) else 0 for module in built]
         parts = partition_balanced(weights=weights, num_parts=stages)
     else:
         # Counted on the tensor shard, as the shard's PipelineModule counts them.
