@@ -230,11 +230,13 @@ def run(config_path: str, overrides: list[str], between_steps: Callable[[int], N
         watchdog = Watchdog(env_rank(), env_world_size(), trainer["comm_timeout_s"], output.announce).start()
     try:
         train_run(prepared, device, between_steps)
+        # Rank 0 is still drawing plots: the watchdog keeps watching until every rank is here.
+        barrier()
     except Exception as error:
         end_after_failure(error, watchdog, output)
     if watchdog is not None:
         watchdog.stop()
-    barrier()
+    barrier()  # rank 0 hosts the store: it leaves only once every watchdog has written `done` there
     destroy_process_group()
     return 0
 
