@@ -117,6 +117,7 @@ def test_minimal_config_gets_explicit_defaults():
             "optimizer.params.momentum: unknown key",
         ),
         (with_changes(optimizer={"type": "Adamw"}), "optimizer.type: 'Adamw' is not one of"),
+        (with_changes(optimizer={"params": {"lr": "abc"}}), "optimizer.params.lr: expected a number > 0"),  # AdamW's
         (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
         (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
         (
@@ -124,6 +125,11 @@ def test_minimal_config_gets_explicit_defaults():
             'train_micro_batch_size_per_gpu: expected an integer >= 1 or "auto"',
         ),
         ({"model": BASE["model"]}, "data: is required"),
+        (with_changes(gradient_clipping=float("nan")), "gradient_clipping: nan is not a finite number"),
+        (
+            with_changes(optimizer={"type": "AdamW", "params": {"betas": [0.9, float("inf")]}}),
+            "optimizer.params.betas[1]: inf is not a finite number",
+        ),
     ],
 )
 def test_schema_errors_name_the_path(document: dict, expected: str):
@@ -423,6 +429,8 @@ def test_deepspeed_config_holds_only_deepspeed_keys():
         ("data.path=null", ("data", "path"), None),
         ("optimizer.params.betas=[0.9, 0.95]", ("optimizer", "params", "betas"), [0.9, 0.95]),
         ("model.n_layer=3", ("model", "n_layer"), 3),
+        ("trainer.max_steps=1e3", ("trainer", "max_steps"), 1000),
+        ("zero_optimization.reduce_bucket_size=5e8", ("zero_optimization", "reduce_bucket_size"), 500_000_000),
     ],
 )
 def test_overrides_are_typed_by_the_schema(assignment: str, path: tuple, value):
@@ -442,11 +450,25 @@ def test_overrides_are_typed_by_the_schema(assignment: str, path: tuple, value):
         ("trainer.max_steps=many", "trainer.max_steps: --set value 'many': expected integer"),
         ("data.pin_memory=sometimes", "data.pin_memory: --set value 'sometimes': expected boolean or \"auto\""),
         ("trainer.max_steps", "--set trainer.max_steps: expected dotted.path=value"),
+        ("trainer.max_steps=2.5", "trainer.max_steps: --set value '2.5': expected integer"),
+        ("optimizer.params.lr=nan", "optimizer.params.lr: --set value 'nan': expected number"),
     ],
 )
 def test_bad_overrides_name_the_path(assignment: str, expected: str):
     issues = apply_overrides(copy.deepcopy(BASE), [assignment])
     assert [str(issue) for issue in issues][0].startswith(expected)
+
+
+def test_whole_numbers_written_as_floats_reach_the_run_as_integers():
+    """JSON Schema counts 2.0 and 5e8 as integers (DeepSpeed's docs write bucket sizes so); the
+    data sampler, the model builder and range() need ints."""
+    document = with_changes(train_micro_batch_size_per_gpu=2.0, model__n_layer=2.0)
+    document["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 5e8}
+    filled = check_document(document, 1, CPU)
+    values = [filled["train_micro_batch_size_per_gpu"], filled["model"]["n_layer"]]
+    values.append(filled["zero_optimization"]["reduce_bucket_size"])
+    assert values == [2, 2, 500_000_000]
+    assert all(type(value) is int for value in values)
 
 
 def test_bad_files_are_named(tmp_path: Path):

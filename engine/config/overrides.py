@@ -4,6 +4,7 @@ sets the integer 50 and `--set bf16.enabled=auto` the string "auto"."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,15 +34,13 @@ def parse_value(text: str, schema: dict) -> Any:
         if kind == "boolean" and text in ("true", "false"):
             return text == "true"
         if kind == "integer":
-            try:
-                return int(text)
-            except ValueError:
-                pass
+            whole = _whole(text)
+            if whole is not None:
+                return whole
         if kind == "number":
-            try:
-                return float(text)
-            except ValueError:
-                pass
+            number = _finite(text)
+            if number is not None:
+                return number
         if kind in ("array", "object"):
             try:
                 return json.loads(text)
@@ -51,6 +50,23 @@ def parse_value(text: str, schema: dict) -> Any:
         return text
     names = [f'"{kind[len("const:") :]}"' if kind.startswith("const:") else kind for kind in kinds]
     raise ValueError(f"expected {' or '.join(names)}")
+
+
+def _whole(text: str) -> int | None:
+    """An integer written as one (1000) or as a whole number (1e3, 1000.0), as a JSON file may hold it."""
+    try:
+        return int(text)
+    except ValueError:
+        number = _finite(text)
+        return int(number) if number is not None and number.is_integer() else None
+
+
+def _finite(text: str) -> float | None:
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def apply_overrides(document: dict, assignments: Iterable[str]) -> list[ConfigIssue]:

@@ -67,8 +67,12 @@ def _object(description: str, properties: dict[str, dict], required: list[str] |
     return schema
 
 
-def _when(key: str, value: str, then: dict) -> dict:
-    return {"if": {"properties": {key: {"const": value}}, "required": [key]}, "then": then}
+def _when(key: str, value: str, then: dict, default: str | None = None) -> dict:
+    """`then` applies where `key` is `value`, or is absent and `value` is its `default`."""
+    condition: dict[str, Any] = {"properties": {key: {"const": value}}}
+    if value != default:
+        condition["required"] = [key]
+    return {"if": condition, "then": then}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ _OPTIMIZER = _object(
         "params": {"type": "object", "description": "Keyword arguments of the optimizer.", "default": {}},
     },
     allOf=[
-        _when("type", name, {"properties": {"params": _object(f"{name} parameters.", params)}})
+        _when("type", name, {"properties": {"params": _object(f"{name} parameters.", params)}}, default="AdamW")
         for name, params in (("Adam", _ADAM_PARAMS), ("AdamW", _ADAM_PARAMS), ("SGD", _SGD_PARAMS))
     ],
     default={"type": "AdamW", "params": {}},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,7 +78,23 @@ def _issues_for(error: ValidationError) -> Iterator[ConfigIssue]:
 
 def schema_issues(document: Any) -> list[ConfigIssue]:
     """Every schema violation in `document`, one issue per problem."""
-    return [issue for error in _VALIDATOR.iter_errors(document) for issue in _issues_for(error)]
+    return [
+        *(issue for error in _VALIDATOR.iter_errors(document) for issue in _issues_for(error)),
+        *_non_finite(document, []),
+    ]
+
+
+def _non_finite(instance: Any, path: list) -> Iterator[ConfigIssue]:
+    """NaN and infinity, which Python's JSON reader accepts and every bound in the schema lets
+    through (a comparison with NaN is false)."""
+    if isinstance(instance, float) and not math.isfinite(instance):
+        yield ConfigIssue(json_path(path), f"{instance} is not a finite number")
+    elif isinstance(instance, dict):
+        for key, value in instance.items():
+            yield from _non_finite(value, [*path, key])
+    elif isinstance(instance, list):
+        for index, value in enumerate(instance):
+            yield from _non_finite(value, [*path, index])
 
 
 def fill_defaults(document: dict) -> dict:
@@ -98,10 +115,18 @@ def _fill(instance: Any, schema: dict) -> None:
         if key not in instance and "default" in subschema:
             instance[key] = copy.deepcopy(subschema["default"])
         if key in instance:
+            if isinstance(instance[key], float) and takes_integer(subschema):
+                # JSON Schema counts 2.0 and 5e8 as integers; the code reading them needs an int.
+                instance[key] = int(instance[key])
             _fill(instance[key], subschema)
     for branch in schema.get("allOf", []):
         if Draft202012Validator(branch["if"]).is_valid(instance):
             _fill(instance, branch["then"])
+
+
+def takes_integer(schema: dict) -> bool:
+    """Whether `schema` accepts integers (alone or beside "auto" or null)."""
+    return schema.get("type") == "integer" or any(option.get("type") == "integer" for option in schema.get("anyOf", []))
 
 
 def schema_at(path: list[str], document: dict) -> dict | None:
