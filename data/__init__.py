@@ -9,7 +9,7 @@ from torch.utils.data import Dataset
 from data.corpus import DEFAULT_CORPUS
 from data.image import load_image_datasets
 from data.loader import make_eval_loader, make_train_loader
-from data.sharding import global_batch_indices, micro_batch_indices
+from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_indices
 from data.synthetic import SyntheticImages, SyntheticTokens
 from data.text import load_text_dataset
 from data.tokenizers import Tokenizer, load_saved_tokenizer
@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_CORPUS",
     "DataBundle",
     "Tokenizer",
+    "batches_per_epoch",
     "build_datasets",
     "global_batch_indices",
     "load_saved_tokenizer",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import DataBundle, build_datasets, make_eval_loader, make_train_loader
+from data import DataBundle, batches_per_epoch, build_datasets, make_eval_loader, make_train_loader
 from engine.backends import Backend, PipelineBackend, build_backend
 from engine.checkpoint import (
     checkpoint_root,
@@ -71,7 +71,7 @@ def seed_everything(seed: int) -> None:
 
 def load_data(config: EngineConfig) -> DataBundle:
     try:
-        return build_datasets(
+        bundle = build_datasets(
             config.data,
             family=config.model["family"],
             seed=config.trainer["seed"],
@@ -79,8 +79,11 @@ def load_data(config: EngineConfig) -> DataBundle:
             vocab_size=None if config.model.get("vocab_size", "auto") == "auto" else config.model["vocab_size"],
             num_classes=config.model.get("num_classes"),
         )
+        # The sampler's own check, here rather than in the first step, after every process group.
+        batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
     except (ValueError, FileNotFoundError) as error:
         raise RunError(f"data error: {error}") from None
+    return bundle
 
 
 def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size: int | None = None) -> EngineConfig:

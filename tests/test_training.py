@@ -126,6 +126,7 @@ def test_single_process_without_launcher_trains(tmp_path: Path):
         ({"data.path": "EMPTY"}, "is empty"),
         ({"trainer.resume": True}, "holds no checkpoint to resume from"),
         ({"model.vocab_size": 10}, "model.vocab_size: 10 is smaller than the tokenizer's"),
+        ({"train_micro_batch_size_per_gpu": 4096}, "samples cannot fill one global batch of 4096"),
         ({"zero_optimization.stage": 5}, "zero_optimization.stage: expected an integer >= 0 <= 3, got 5"),
     ],
 )
