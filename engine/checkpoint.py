@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from engine.distributed import barrier, env_rank
-from engine.reshape import write_layout
+from engine.parallel.torch_to_universal import ENGINE_STATE
+from engine.reshape import LAYOUT_FILE, write_layout
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -68,12 +69,26 @@ def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | No
     path = Path(resume)
     if path.name.endswith(PARTIAL):
         raise FileNotFoundError(f"trainer.resume: {path} is an unfinished save (a crash interrupted it)")
+    if (checkpoint_root(path) / LATEST).is_file():  # a run's output_dir: its latest checkpoint
+        path = checkpoint_root(path)
     if (path / LATEST).is_file():
         tag = latest_tag(path)
         if tag is None:
             raise FileNotFoundError(f"trainer.resume: {path}/latest names a checkpoint that is not there")
         return path, tag
+    if not _holds_checkpoint(path):
+        raise FileNotFoundError(
+            f"trainer.resume: {path} is not a checkpoint; give a checkpoint directory (checkpoints/stepNNNNNNNN), "
+            "the checkpoints directory or the run's output_dir"
+        )
     return path.parent, path.name
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """DeepSpeed's model states (`*model_states.pt`, per stage under pipelines), the accelerate
+    backend's engine state, or the layout every save of this engine records."""
+    markers = (LAYOUT_FILE, ENGINE_STATE)
+    return path.is_dir() and (any((path / name).is_file() for name in markers) or any(path.glob("*model_states.pt")))
 
 
 def save_checkpoint(

@@ -91,6 +91,18 @@ def test_an_unfinished_save_is_refused_as_a_resume_target(tmp_path: Path):
         resume_target(str(tmp_path / ("step00000004" + PARTIAL)), tmp_path)
 
 
+def test_a_resume_target_is_a_checkpoint_its_root_or_its_run(tmp_path: Path):
+    root = tmp_path / "run" / "checkpoints"
+    make_tag(root, "step00000004")
+    (root / "step00000004" / "layout.json").write_text("{}")
+    (root / LATEST).write_text("step00000004")
+    for given in (root / "step00000004", root, tmp_path / "run"):
+        assert resume_target(str(given), tmp_path) == (root, "step00000004")
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(FileNotFoundError, match="logs is not a checkpoint; give a checkpoint directory"):
+        resume_target(str(tmp_path / "logs"), tmp_path)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output_dir = tmp_path_factory.mktemp("uninterrupted")

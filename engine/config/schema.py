@@ -542,7 +542,8 @@ _TRAINER = _object(
         "resume": {
             "anyOf": [{"type": "boolean"}, {"type": "string"}],
             "description": "true: continue from the latest checkpoint in output_dir (an error if none); a "
-            "path: continue from that checkpoint directory; false: start fresh.",
+            "path: continue from that checkpoint directory (or the latest in a checkpoints directory or a run's "
+            "output_dir); false: start fresh.",
             "default": False,
         },
         "nonfinite": _enum(
