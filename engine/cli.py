@@ -160,13 +160,20 @@ def _plot(run_dir: Path) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """argparse's type for a process count: argparse names the option and exits 2."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine")
     commands = parser.add_subparsers(dest="command", required=True)
 
     validate = commands.add_parser("validate", help="check a config completely, without starting anything")
     validate.add_argument("config")
-    validate.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    validate.add_argument("--world-size", type=_positive, default=1, help="number of processes the run will have")
     validate.add_argument("--hostfile", type=Path, help="a DeepSpeed hostfile: the world size is its slots")
     validate.add_argument("--include", default="", help="deepspeed's --include, applied to the hostfile")
     validate.add_argument("--exclude", default="", help="deepspeed's --exclude, applied to the hostfile")
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan", help="per-rank memory (exact model states, estimated activations) and communication, before a run"
     )
     plan.add_argument("config")
-    plan.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    plan.add_argument("--world-size", type=_positive, default=1, help="number of processes the run will have")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: print whether the busiest rank fits")
     plan.add_argument("--host-memory", help="host memory for offloaded states of all ranks, e.g. 512GiB")
     plan.add_argument("--suggest", action="store_true", help="list the layouts that fit, cheapest communication first")
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     explain = commands.add_parser("explain", help="what each rank holds, told rank by rank")
     explain.add_argument("config")
-    explain.add_argument("--world-size", type=int, default=1, help="number of processes the run will have")
+    explain.add_argument("--world-size", type=_positive, default=1, help="number of processes the run will have")
     _add_overrides(explain)
 
     plot = commands.add_parser("plot", help="draw a run's curves from its metrics.jsonl as PNGs in RUN_DIR/plots")

@@ -478,6 +478,31 @@ def test_bad_files_are_named(tmp_path: Path):
     broken.write_text('{"model": {"family": "gpt",}}')
     with pytest.raises(ConfigError, match=r"broken.json: invalid JSON at line 1"):
         load_config(broken, world_size=1, hardware=CPU)
+    with pytest.raises(ConfigError, match="is a directory, not a JSON config file"):
+        load_config(tmp_path, world_size=1, hardware=CPU)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes('{"data": {"path": "café"}}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.json: not UTF-8 text \(byte 22\)"):
+        load_config(latin, world_size=1, hardware=CPU)
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path):
+    (tmp_path / "taken").touch()
+    assert issues_of(with_changes(trainer__output_dir=str(tmp_path / "taken"))) == [
+        f"trainer.output_dir: '{tmp_path / 'taken'}' is a file; the run needs a directory there"
+    ]
+
+
+@pytest.mark.parametrize("world_size", ["0", "-2", "two"])
+def test_a_world_size_below_one_is_refused_by_the_command(world_size: str):
+    result = subprocess.run(
+        [sys.executable, "-m", "engine", "validate", "configs/tiny_gpt.json", "--world-size", world_size],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert f"argument --world-size: expected a whole number >= 1, got '{world_size}'" in result.stderr
 
 
 def test_validate_command_reports_every_problem_and_exits_nonzero(tmp_path: Path):

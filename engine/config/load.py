@@ -18,9 +18,14 @@ from engine.hardware import Hardware
 def read_document(path: Path) -> dict:
     """The JSON object in `path`; ConfigError naming the file and the line on failure."""
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError([ConfigIssue(str(path), "file not found")]) from None
+    except IsADirectoryError:
+        raise ConfigError([ConfigIssue(str(path), "is a directory, not a JSON config file")]) from None
+    except UnicodeDecodeError as error:
+        problem = f"not UTF-8 text (byte {error.start}); JSON must be UTF-8"
+        raise ConfigError([ConfigIssue(str(path), problem)]) from None
     except json.JSONDecodeError as error:
         raise ConfigError(
             [ConfigIssue(str(path), f"invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}")]

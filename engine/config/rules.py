@@ -290,6 +290,9 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
     resume = document["trainer"]["resume"]
     if isinstance(resume, str) and not os.path.isdir(resume):
         yield ConfigIssue("trainer.resume", f"{resume!r} is not a checkpoint directory")
+    output_dir = document["trainer"]["output_dir"]
+    if output_dir != AUTO and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        yield ConfigIssue("trainer.output_dir", f"{output_dir!r} is a file; the run needs a directory there")
 
 
 def check_nonfinite(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
