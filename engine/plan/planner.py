@@ -4,6 +4,8 @@ device and a host have. Everything runs on the meta device: no model memory is a
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 
@@ -107,20 +109,23 @@ def zero_settings(config: EngineConfig) -> ZeroSettings:
 
 def settled(config: EngineConfig) -> EngineConfig:
     """The config with `model.vocab_size: "auto"` replaced by the tokenizer's size, as the run
-    settles it (`engine.run.settle_vocabulary`); the text is read only for a char tokenizer."""
+    settles it (`engine.run.settle_vocabulary`)."""
     if config.model["family"] != "gpt" or config.model.get("vocab_size", "auto") != "auto":
         return config
+    size = _tokenizer_size(json.dumps(config.data, sort_keys=True), config.trainer["seed"])
+    return config.with_vocab_size(size) if size is not None else config
+
+
+@functools.cache
+def _tokenizer_size(data_section: str, seed: int) -> int | None:
+    """The tokenizer's vocabulary, built from the data as the run builds it (a char tokenizer
+    needs the whole corpus), once per data section: `plan --suggest` weighs hundreds of layouts
+    of one config."""
     from data import build_datasets
 
-    bundle = build_datasets(
-        config.data,
-        family="gpt",
-        seed=config.trainer["seed"],
-        seq_len=config.data["seq_len"],
-        vocab_size=None,
-        num_classes=None,
-    )
-    return config.with_vocab_size(bundle.vocab_size) if bundle.vocab_size is not None else config
+    data = json.loads(data_section)
+    bundle = build_datasets(data, family="gpt", seed=seed, seq_len=data["seq_len"], vocab_size=None, num_classes=None)
+    return bundle.vocab_size
 
 
 def plan_run(config: EngineConfig) -> Plan:
