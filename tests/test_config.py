@@ -116,7 +116,7 @@ def test_minimal_config_gets_explicit_defaults():
             with_changes(optimizer={"type": "AdamW", "params": {"momentum": 0.9}}),
             "optimizer.params.momentum: unknown key",
         ),
-        (with_changes(optimizer={"type": "Adamw"}), "optimizer.type: 'Adamw' is not one of"),
+        (with_changes(optimizer={"type": "AdamX"}), "optimizer.type: 'AdamX' is not one of"),
         (with_changes(optimizer={"params": {"lr": "abc"}}), "optimizer.params.lr: expected a number > 0"),  # AdamW's
         (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
         (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
@@ -457,6 +457,12 @@ def test_overrides_are_typed_by_the_schema(assignment: str, path: tuple, value):
 def test_bad_overrides_name_the_path(assignment: str, expected: str):
     issues = apply_overrides(copy.deepcopy(BASE), [assignment])
     assert [str(issue) for issue in issues][0].startswith(expected)
+
+
+def test_optimizer_names_are_read_in_any_case_as_deepspeed_reads_them():
+    filled = check_document(with_changes(optimizer={"type": "adamw", "params": {"lr": 1e-3}}), 1, CPU)
+    assert filled["optimizer"]["type"] == "AdamW"
+    assert filled["optimizer"]["params"]["betas"] == [0.9, 0.999]  # AdamW's defaults reached it
 
 
 def test_whole_numbers_written_as_floats_reach_the_run_as_integers():

@@ -11,7 +11,7 @@ from engine.config.errors import ConfigError, ConfigIssue
 from engine.config.overrides import apply_overrides
 from engine.config.resolve import EngineConfig, resolve
 from engine.config.rules import rule_issues
-from engine.config.validate import fill_defaults, schema_issues
+from engine.config.validate import canonical_spellings, fill_defaults, schema_issues
 from engine.hardware import Hardware
 
 
@@ -37,6 +37,7 @@ def read_document(path: Path) -> dict:
 
 def check_document(document: dict, world_size: int, hardware: Hardware | None) -> dict:
     """The defaults-filled document, or ConfigError with every schema and rule problem."""
+    document = canonical_spellings(document)
     issues = schema_issues(document)
     if issues:
         # Cross-field rules read typed values; they run once the schema is satisfied.

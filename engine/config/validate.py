@@ -97,6 +97,17 @@ def _non_finite(instance: Any, path: list) -> Iterator[ConfigIssue]:
             yield from _non_finite(value, [*path, index])
 
 
+def canonical_spellings(document: dict) -> dict:
+    """A copy of `document` with `optimizer.type` spelled as the schema spells it: DeepSpeed reads
+    optimizer names in any case ("adamw" is its AdamW), so a ds_config that works there is valid here."""
+    optimizer = document.get("optimizer")
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("type"), str):
+        return document
+    names = SCHEMA["properties"]["optimizer"]["properties"]["type"]["enum"]
+    spelled = {name.lower(): name for name in names}.get(optimizer["type"].lower(), optimizer["type"])
+    return {**document, "optimizer": {**optimizer, "type": spelled}}
+
+
 def fill_defaults(document: dict) -> dict:
     """A copy of a schema-valid document with every default written in.
 
