@@ -7,6 +7,7 @@ setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh
 
 quickstart: setup
+	rm -rf runs/quickstart  # a demonstration: each one starts afresh
 	./launch.sh configs/quickstart.json
 
 test: setup

@@ -56,9 +56,18 @@ def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | No
     """(checkpoint root, tag) that `trainer.resume` asks for; None for a fresh start.
 
     Raises FileNotFoundError naming the directory when a resume is asked for but nothing is
-    there, so the run stops before any process group starts.
+    there, and FileExistsError when a fresh start would share `output_dir` with an earlier run's
+    checkpoints (its `latest`, its pruning and its metrics would mix with this run's), so the run
+    stops before any process group starts.
     """
     if resume is False:
+        root = checkpoint_root(output_dir)
+        earlier = latest_tag(root)
+        if earlier is not None:
+            raise FileExistsError(
+                f"trainer.output_dir {output_dir} holds an earlier run's checkpoints (latest: {earlier}); set "
+                f"trainer.resume=true to continue it, or start afresh in another output_dir or after deleting {root}"
+            )
         return None
     if resume is True:
         root = checkpoint_root(output_dir)

@@ -154,7 +154,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         check_classes(config, bundle)
         reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
         fault = fault_from_env()
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
     return Prepared(config, bundle, hardware, resume, saved, reshape, fault)
 

@@ -103,6 +103,16 @@ def test_a_resume_target_is_a_checkpoint_its_root_or_its_run(tmp_path: Path):
         resume_target(str(tmp_path / "logs"), tmp_path)
 
 
+def test_a_fresh_start_refuses_an_output_dir_holding_an_earlier_runs_checkpoints(tmp_path: Path):
+    """Its `latest` would name the earlier run until this one's first save, and pruning would keep
+    the earlier run's higher steps over this run's."""
+    assert resume_target(False, tmp_path) is None
+    make_tag(tmp_path / "checkpoints", "step00000004")
+    (tmp_path / "checkpoints" / LATEST).write_text("step00000004")
+    with pytest.raises(FileExistsError, match=r"holds an earlier run's checkpoints \(latest: step00000004\)"):
+        resume_target(False, tmp_path)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output_dir = tmp_path_factory.mktemp("uninterrupted")
