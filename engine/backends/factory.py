@@ -31,18 +31,18 @@ def build_backend(
 
     The caller has seeded every rank alike, so `family.build` gives every rank the same weights.
     `load_universal`: the run resumes from a universal checkpoint (DeepSpeed decides at
-    initialisation how its optimizer will load).
+    initialisation how its optimizer will load; the accelerate backend converts it as it loads).
     """
     model = family.build(config.model)
-    ds_config = config.deepspeed_config()
-    if load_universal:
-        ds_config["checkpoint"] = {"load_universal": True}
     if config.trainer["backend"] == "accelerate":
         # Imported only here: accelerate with torch's FSDP and distributed checkpointing would add
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
         return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
+    ds_config = config.deepspeed_config()
+    if load_universal:
+        ds_config["checkpoint"] = {"load_universal": True}
     backend, data_rank = _deepspeed_backend(model, family, config, ds_config, device, input_dtype)
     if config.trainer["compile"]:
         backend.compile()
