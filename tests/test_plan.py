@@ -19,6 +19,7 @@ from models import get_family
 from tests.support.launch import ROOT
 
 GPT2 = "configs/gpt2_124m.json"
+RESNET = "configs/tiny_resnet.json"
 HIDDEN, LAYERS, VOCAB, POSITIONS = 768, 12, 50257, 1024
 # The planner reads no data, so the config's corpus need not exist here; GPT-2's own vocabulary
 # (the config's byte tokenizer would otherwise settle "auto" to 256 rows).
@@ -209,3 +210,15 @@ def test_the_type_partition_splits_the_blocks_where_deepspeed_does(config: str):
     parts = partition_balanced([1 if index in blocks else 0 for index in range(len(layers))], num_parts=2)
     assert len(blocks) == family.pipeline.num_blocks(family.architecture(plan.config.model))
     assert [rank.layers for rank in plan.ranks] == [f"layers {parts[s]}-{parts[s + 1] - 1}" for s in (0, 1)]
+
+
+def test_resnet_stages_send_the_feature_map_at_their_cut():
+    """ResNet-18 at 64 pixels cut by block type after its fourth block (the second of the 128-channel
+    stage, an 8x8 map): stage 1 sends those activations forward, stage 2 their gradient back."""
+    overrides = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_partition_method=type"]
+    config = load_config(RESNET, overrides, world_size=2, hardware=detect_hardware(local_world_size=2))
+    plan = plan_run(config)
+    micro, fp32 = config.document["train_micro_batch_size_per_gpu"], 4
+    assert config.data["image_size"] == 64 and config.document["gradient_accumulation_steps"] == 1
+    assert [rank.layers for rank in plan.ranks] == ["layers 0-4", "layers 5-9"]
+    assert [rank.communication.pipeline for rank in plan.ranks] == [micro * 128 * 8 * 8 * fp32] * 2

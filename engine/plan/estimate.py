@@ -4,7 +4,7 @@ wherever they are printed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +95,12 @@ def tensor_parallel_bytes(layers: int, hidden: int, tokens: int, element: int, t
     return int(micro_batches * (4 * layers + 1) * per_all_reduce)
 
 
-def pipeline_bytes(hidden: int, tokens: int, element: int, stages: int, stage: int, micro_batches: int) -> int:
-    """Point-to-point activations to the next stage and their gradients back, per micro-batch."""
-    if stages == 1:
-        return 0
-    sends = (1 if stage < stages - 1 else 0) + (1 if stage > 0 else 0)
-    return micro_batches * sends * tokens * hidden * element
+def pipeline_bytes(boundaries: Sequence[int], element: int, stage: int, micro_batches: int) -> int:
+    """Point-to-point: a stage's output activations to the next stage and, backward, the gradient
+    of its input to the one before, per micro-batch. `boundaries[s]`: the elements stage s sends on."""
+    forward = boundaries[stage] if stage < len(boundaries) else 0
+    backward = boundaries[stage - 1] if stage > 0 else 0
+    return micro_batches * (forward + backward) * element
 
 
 def pipeline_bubble(stages: int, micro_batches: int) -> float:

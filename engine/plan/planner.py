@@ -22,7 +22,7 @@ from engine.plan.estimate import (
     pipeline_bytes,
     tensor_parallel_bytes,
 )
-from engine.plan.shapes import stage_numels, unique_parameters
+from engine.plan.shapes import stage_numels, stage_outputs, unique_parameters
 from engine.plan.states import OptimizerKind, StateBytes, ZeroSettings, accelerate_state_bytes, state_bytes
 from models import get_family
 
@@ -136,7 +136,7 @@ def plan_run(config: EngineConfig) -> Plan:
         raise ConfigError([ConfigIssue("data", str(error))], str(config.source)) from None
     family = get_family(config.model["family"])
     layout = parallel_layout(config)
-    numels, ranges, model = stage_numels(config, family)
+    numels, parts, model = stage_numels(config, family)
     # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
     shapes = [tuple(p.shape) for p in unique_parameters([model]) if p.requires_grad]
     zero, optimizer = zero_settings(config), optimizer_kind(config)
@@ -148,6 +148,10 @@ def plan_run(config: EngineConfig) -> Plan:
         layout.pipeline > 1 and config.parallel["pipeline_activation_checkpoint_interval"] > 0
     )
     blocks = family.pipeline.num_blocks(arch)
+    if family.name == "resnet":
+        with torch.device("meta"):
+            example = torch.empty(micro, 3, config.data["image_size"], config.data["image_size"])
+        resnet_boundaries = stage_outputs(model, family, parts, example)
     ranks = []
     for rank in range(layout.world_size):
         where = layout.coordinates(rank)
@@ -169,25 +173,25 @@ def plan_run(config: EngineConfig) -> Plan:
                 return gpt_activation_bytes(arch, seq_len, micro, n, layout.tensor, element, ckpt, last)
 
             hidden, tokens = arch["n_embd"], micro * seq_len
+            boundaries = [tokens * hidden] * (layout.pipeline - 1)
         else:
             whole = _resnet_activations(model, micro, config.data["image_size"], element) // layout.pipeline
 
             def activations(ckpt: bool, whole: int = whole) -> int:
                 return whole // 4 if ckpt else whole
 
-            hidden, tokens = 0, 0
+            hidden, tokens = 0, 0  # no tensor-parallel form
+            boundaries = resnet_boundaries
         communication = Communication(
             data_parallel_bytes(zero.stage, sum(stage), element, layout.data),
             tensor_parallel_bytes(stage_blocks, hidden, tokens, element, layout.tensor, accumulation),
-            pipeline_bytes(hidden, tokens, element, layout.pipeline, where.stage, accumulation)
-            if family.name == "gpt"
-            else 0,
+            pipeline_bytes(boundaries, element, where.stage, accumulation),
         )
         ranks.append(
             RankPlan(
                 rank,
                 where,
-                ranges[where.stage],
+                f"layers {parts[where.stage]}-{parts[where.stage + 1] - 1}",
                 states,
                 in_flight * activations(checkpointing),
                 in_flight * activations(not checkpointing),

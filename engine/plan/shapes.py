@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,8 +62,9 @@ def unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 def stage_parameters(
     model: nn.Module, family: ModelFamily, stages: int, partition_method: str, split: set[int], tensor: int
-) -> tuple[list[list[nn.Parameter]], list[str]]:
-    """Each stage's parameters in the order its PipelineModule registers them, and its layer range.
+) -> tuple[list[list[nn.Parameter]], list[int]]:
+    """Each stage's parameters in the order its PipelineModule registers them, and the cut points:
+    stage s holds layers `parts[s]` to `parts[s + 1] - 1`.
 
     pipe/module.py: `_partition_layers` balances parameter counts (`partition_balanced` over
     `_count_layer_params`), layer counts (`partition_uniform`) or the layers whose class matches
@@ -73,7 +74,7 @@ def stage_parameters(
     layers = family.pipeline.layers(model)
     built = [layer.build() if isinstance(layer, LayerSpec) else layer for layer in layers]
     if stages == 1:
-        return [unique_parameters([model])], [f"layers 0-{len(layers) - 1}"]
+        return [unique_parameters([model])], [0, len(layers)]
     if partition_method == "uniform":
         parts = partition_uniform(num_items=len(layers), num_parts=stages)
     elif partition_method == "type":
@@ -95,17 +96,28 @@ def stage_parameters(
                 tied.setdefault(key, built[index])
         others = [built[index] for index in chosen if getattr(layers[index], "key", None) is None]
         result.append(unique_parameters([*tied.values(), *others]))
-    ranges = [f"layers {parts[stage]}-{parts[stage + 1] - 1}" for stage in range(stages)]
-    return result, ranges
+    return result, list(parts)
 
 
-def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[list[int]]], list[str], nn.Module]:
+def stage_outputs(model: nn.Module, family: ModelFamily, parts: Sequence[int], example: torch.Tensor) -> list[int]:
+    """Elements each stage but the last sends the next one per micro-batch: the output of its last
+    layer, found by running the layers in turn on a meta `example` (a ResNet's layers each take
+    the one tensor the layer before returns)."""
+    outputs = []
+    hidden = example
+    for layer in family.pipeline.layers(model):
+        hidden = (layer.build() if isinstance(layer, LayerSpec) else layer)(hidden)
+        outputs.append(hidden.numel())
+    return [outputs[end - 1] for end in parts[1:-1]]
+
+
+def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[list[int]]], list[int], nn.Module]:
     """Per pipeline stage, the trainable element counts one tensor shard holds, per optimizer group
-    (`engine.optim.parameter_groups`), in flattening order."""
+    (`engine.optim.parameter_groups`), in flattening order; the stages' cut points; the meta model."""
     model = build_on_meta(family, config.model)
     tensor = config.parallel["tensor_parallel_size"]
     split = sharded_parameters(model, family.tensor_parallel, tensor)
-    stages, ranges = stage_parameters(
+    stages, parts = stage_parameters(
         model,
         family,
         config.parallel["pipeline_parallel_size"],
@@ -118,4 +130,4 @@ def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[l
         [local_numels(group["params"], split, tensor) for group in parameter_groups(parameters, section, decay_on)]
         for parameters in stages
     ]
-    return numels, ranges, model
+    return numels, parts, model
