@@ -21,8 +21,8 @@ from bench.settings import Settings
 from bench.trials import ROOT, RUNS, launch_engine, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
-from engine.plan.shapes import build_on_meta, unique_parameters
-from models import get_family
+from engine.plan.shapes import build_on_meta
+from models import count_parameters, get_family
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
 RANKS = 2
@@ -57,7 +57,7 @@ def parameter_count(config_path: Path, sets: list[str]) -> int:
     """The model's parameters (a tied weight once), counted on the meta device without its memory."""
     config = load_config(config_path, sets, world_size=1, hardware=detect_hardware(local_world_size=1))
     model = build_on_meta(get_family(config.model["family"]), config.model)
-    return sum(p.numel() for p in unique_parameters([model]))
+    return count_parameters(model)
 
 
 def method(psi: int) -> str:

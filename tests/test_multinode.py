@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.launch.environment import propagated_environment, user_env_files
-from engine.launch.hostfile import HostfileError, active_hosts, hostfile_world_size, read_hostfile
+from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile
 from tests.support.compare import LOSS_TOLERANCE, max_loss_difference
 from tests.support.launch import ROOT, free_port, launch_nodes, read_run
 from tests.support.reference import reference_run
@@ -45,6 +45,10 @@ def test_bad_hostfiles_name_the_line(tmp_path: Path, text: str, expected: str):
 def test_missing_hostfile_is_named(tmp_path: Path):
     with pytest.raises(HostfileError, match="does not exist"):
         read_hostfile(tmp_path / "nowhere")
+
+
+def hostfile_world_size(path: Path, include: str = "", exclude: str = "", num_nodes: int = -1) -> int:
+    return sum(len(slots) for slots in active_hosts(read_hostfile(path), include, exclude, num_nodes).values())
 
 
 def test_world_size_follows_deepspeeds_include_exclude_and_num_nodes(tmp_path: Path):

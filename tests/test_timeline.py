@@ -15,14 +15,13 @@ from engine.timeline import (
     PipelineEvent,
     RankTimeline,
     bubble_formula,
-    compute_order,
     idle_fraction,
-    one_f_one_b_order,
     replay_in_stage_time,
     save_timeline,
 )
 from tests.support.launch import launch
 from tests.support.monitor import MONITORS, assert_monitor_holds
+from tests.support.schedule import compute_order, one_f_one_b_order
 
 FORWARD_S = 1.0  # a backward takes twice as long
 

@@ -62,10 +62,6 @@ def active_hosts(
     return apply_num_nodes_and_gpus(active, num_nodes, -1)
 
 
-def hostfile_world_size(path: Path, include: str = "", exclude: str = "", num_nodes: int = -1) -> int:
-    return sum(len(slots) for slots in active_hosts(read_hostfile(path), include, exclude, num_nodes).values())
-
-
 def ssh_problems(hosts: list[str], ssh_port: int | None = None, timeout_s: int = 10) -> list[str]:
     """One line per host that does not answer a non-interactive ssh, the way pdsh will reach it.
 
