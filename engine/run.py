@@ -152,6 +152,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         saved = read_layout(resume[0] / resume[1]) if resume else None
         config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
         check_classes(config, bundle)
+        get_family(config.model["family"]).check_init_from(config.model)
         reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
         fault = fault_from_env()
     except (FileNotFoundError, FileExistsError, ValueError) as error:

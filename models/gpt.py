@@ -94,15 +94,21 @@ def build(section: Mapping[str, Any]) -> GPT2LMHeadModel:
     return model
 
 
-def load_pretrained(path: Path, config: GPT2Config) -> GPT2LMHeadModel:
-    """Weights from a local HF checkpoint, with the configured dropout and attention kernel.
+def check_init_from(section: Mapping[str, Any]) -> None:
+    """Refuse a `model.init_from` that is no GPT-2 checkpoint of the configured shape. Read alone,
+    before any process group starts: the model itself is built after."""
+    if section.get("init_from") is not None:
+        _check_pretrained(Path(section["init_from"]), gpt2_config(architecture(section)))
 
-    A checkpoint of another shape is refused up front: transformers would load it anyway, leave
-    the missing blocks freshly initialised and only log that it did.
-    """
-    from transformers import AutoConfig, GPT2Config, GPT2LMHeadModel
 
-    saved = AutoConfig.from_pretrained(path, local_files_only=True)
+def _check_pretrained(path: Path, config: GPT2Config) -> None:
+    from transformers import AutoConfig, GPT2Config
+
+    try:
+        saved = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"model.init_from {path} is not a transformers checkpoint ({reason})") from None
     if not isinstance(saved, GPT2Config):
         raise ValueError(f"model.init_from {path} holds a {saved.model_type!r} checkpoint, not a GPT-2 one")
     differences = [
@@ -115,6 +121,17 @@ def load_pretrained(path: Path, config: GPT2Config) -> GPT2LMHeadModel:
             f"model.init_from {path} has a different architecture: {', '.join(differences)}; "
             "set these fields in the model section to match the checkpoint"
         )
+
+
+def load_pretrained(path: Path, config: GPT2Config) -> GPT2LMHeadModel:
+    """Weights from a local HF checkpoint, with the configured dropout and attention kernel.
+
+    A checkpoint of another shape is refused up front: transformers would load it anyway, leave
+    the missing blocks freshly initialised and only log that it did.
+    """
+    from transformers import GPT2LMHeadModel
+
+    _check_pretrained(path, config)
     model, loading_info = GPT2LMHeadModel.from_pretrained(
         path, config=config, dtype=torch.float32, local_files_only=True, output_loading_info=True
     )

@@ -45,6 +45,8 @@ class ModelFamily:
 
     `compute_loss` and `eval_sums` receive the module itself or a wrapper that forwards calls to it
     (a DeepSpeed engine), so they only call the model and never reach into its attributes.
+    `check_init_from` reads what `model.init_from` names without loading its weights, so a wrong
+    one stops the run before any process group.
     `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
     repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
     """
@@ -53,6 +55,7 @@ class ModelFamily:
     presets: Mapping[str, Mapping[str, Any]]
     architecture: Callable[[Mapping[str, Any]], dict[str, Any]]
     build: Callable[[Mapping[str, Any]], torch.nn.Module]
+    check_init_from: Callable[[Mapping[str, Any]], None]
     compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
     eval_sums: Callable[[torch.nn.Module, Batch], dict[str, torch.Tensor]]
     summarize_eval: Callable[[Mapping[str, float]], dict[str, float]]
@@ -70,6 +73,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         presets=MappingProxyType(module.PRESETS),
         architecture=module.architecture,
         build=module.build,
+        check_init_from=module.check_init_from,
         compute_loss=module.compute_loss,
         eval_sums=module.eval_sums,
         summarize_eval=module.summarize_eval,

@@ -228,8 +228,20 @@ def _read_metadata(path: Path) -> dict[str, Any]:
     return metadata
 
 
+def check_init_from(section: Mapping[str, Any]) -> None:
+    """Refuse a `model.init_from` that is no ResNet export of the configured architecture. Read
+    alone, before any process group starts: the model itself is built after."""
+    if section.get("init_from") is not None:
+        _check_export(architecture(section), Path(section["init_from"]))
+
+
 def _load_init_weights(model: nn.Module, arch: Mapping[str, Any], path: Path) -> None:
     """Start from an earlier export, refusing one whose architecture or implementation differs."""
+    _check_export(arch, path)
+    model.load_state_dict(load_file(path / WEIGHTS_FILE))
+
+
+def _check_export(arch: Mapping[str, Any], path: Path) -> None:
     saved = architecture(_read_metadata(path))
     differences = [
         f"{field} {saved[field]!r} (configured: {arch[field]!r})" for field in arch if saved[field] != arch[field]
@@ -239,7 +251,6 @@ def _load_init_weights(model: nn.Module, arch: Mapping[str, Any], path: Path) ->
             f"model.init_from {path} has a different architecture: {', '.join(differences)}; "
             "set the model section to match the export"
         )
-    model.load_state_dict(load_file(path / WEIGHTS_FILE))
 
 
 # -- Pipeline form ----------------------------------------------------------------------------

@@ -128,6 +128,7 @@ def test_single_process_without_launcher_trains(tmp_path: Path):
         ({"model.vocab_size": 10}, "model.vocab_size: 10 is smaller than the tokenizer's"),
         ({"train_micro_batch_size_per_gpu": 4096}, "samples cannot fill one global batch of 4096"),
         ({"zero_optimization.stage": 5}, "zero_optimization.stage: expected an integer >= 0 <= 3, got 5"),
+        ({"model.init_from": "EMPTY"}, "empty_checkpoint is not a transformers checkpoint"),
     ],
 )
 def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str, tmp_path: Path):
@@ -135,6 +136,9 @@ def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str
         empty = tmp_path / "empty.txt"
         empty.touch()
         overrides = {"data.path": str(empty)}
+    if overrides.get("model.init_from") == "EMPTY":
+        (tmp_path / "empty_checkpoint").mkdir()
+        overrides = {"model.init_from": str(tmp_path / "empty_checkpoint")}
     result = run_single(GPT, overrides, tmp_path / "run")
     assert result.returncode == 2
     assert expected in result.stderr
