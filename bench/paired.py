@@ -30,7 +30,8 @@ from bench.baseline import LOOPS, Baseline, build_baseline, evaluate
 from bench.machine import machine_facts
 from engine.config import load_config
 from engine.hardware import detect_hardware
-from engine.run import load_data, run, settle_vocabulary
+from engine.prepare import load_data, settle_vocabulary
+from engine.run import run
 
 PAIRED = "paired.json"
 

@@ -1,33 +1,29 @@
-"""One training run from a config file, in the order that keeps failures cheap: validate the
-config, read the data, and only then start the process group and build the model."""
+"""One training run from a config file, in the order that keeps failures cheap: everything the
+inputs can get wrong first (engine/prepare.py), and only then the process group, the model, the
+loop, the export; a failure after that ends the job through engine/failures/ending.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from data import DataBundle, batches_per_epoch, build_datasets, make_eval_loader, make_train_loader
+from data import DataBundle, make_eval_loader, make_train_loader
 from engine.backends import Backend, PipelineBackend, build_backend
 from engine.checkpoint import (
     checkpoint_root,
     load_rank_buffers,
     load_rng_state,
-    resume_target,
     save_checkpoint,
     step_tag,
 )
-from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
+from engine.config import ConfigError, EngineConfig
 from engine.distributed import (
     barrier,
     destroy_process_group,
@@ -37,20 +33,19 @@ from engine.distributed import (
     is_main_process,
 )
 from engine.export import export_model, sample_text
-from engine.failures.faults import Fault, fault_from_env, inject, loss_hook
-from engine.failures.watchdog import Watchdog, beat_interval
+from engine.failures.ending import collective_timeout, end_after_failure
+from engine.failures.faults import inject, loss_hook
+from engine.failures.watchdog import Watchdog
 from engine.flops import gpt_flops_per_token, resnet_flops_per_image
-from engine.hardware import Hardware, detect_hardware
-from engine.launch.detect import launch_problems
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
-from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
 from engine.parallel.torch_to_universal import universal_from_torch, universal_from_zero0
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
-from engine.rank_logs import RankOutput, capture_rank_output
-from engine.reshape import describe, layout_record, needs_conversion, read_layout
+from engine.prepare import Prepared, RunError, checkpoint_layout, prepare
+from engine.rank_logs import capture_rank_output
+from engine.reshape import describe
 from engine.sinks import build_sinks
 from engine.timeline import write_pipeline_timeline
 from engine.train import LoopSettings, train
@@ -59,114 +54,10 @@ from models import ModelFamily, get_family
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class RunError(Exception):
-    """A problem with the inputs of a run (not a bug): printed as one message, exit code 2."""
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def load_data(config: EngineConfig) -> DataBundle:
-    try:
-        bundle = build_datasets(
-            config.data,
-            family=config.model["family"],
-            seed=config.trainer["seed"],
-            seq_len=config.data["seq_len"],
-            vocab_size=None if config.model.get("vocab_size", "auto") == "auto" else config.model["vocab_size"],
-            num_classes=config.model.get("num_classes"),
-        )
-        # The sampler's own check, here rather than in the first step, after every process group.
-        batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
-    except (ValueError, FileNotFoundError) as error:
-        raise RunError(f"data error: {error}") from None
-    return bundle
-
-
-def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size: int | None = None) -> EngineConfig:
-    """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it.
-
-    A resumed run keeps the vocabulary of the checkpoint (`saved_vocab_size`), which "auto" may
-    have padded for another tensor-parallel degree."""
-    if bundle.vocab_size is None:
-        return config
-    config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
-    if config.model["vocab_size"] < bundle.vocab_size:
-        raise ConfigError(
-            [
-                ConfigIssue(
-                    "model.vocab_size",
-                    f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
-                    f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
-                )
-            ],
-            str(config.source),
-        )
-    return config
-
-
-def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
-    """Refuse a classifier with fewer outputs than the data has classes: its loss would fail in the
-    first forward (on a GPU as a device-side assert), after every process group had started."""
-    if bundle.num_classes is None or config.model["num_classes"] >= bundle.num_classes:
-        return
-    raise ConfigError(
-        [
-            ConfigIssue(
-                "model.num_classes",
-                f"{config.model['num_classes']} is fewer than the {bundle.num_classes} classes of the data "
-                f'(data.type "{config.data["type"]}"); raise it to at least {bundle.num_classes}',
-            )
-        ],
-        str(config.source),
-    )
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare` established before any process group: the run may now start."""
-
-    config: EngineConfig
-    data: DataBundle
-    hardware: Hardware
-    resume: tuple[Path, str] | None
-    saved_layout: dict | None  # the layout that saved the checkpoint resumed from
-    reshape: bool  # saved on another layout: resume through a universal checkpoint
-    fault: Fault | None
-
-
-def prepare(config_path: str, overrides: list[str]) -> Prepared:
-    """Everything that can fail because of user input, done before any process group exists."""
-    hardware = detect_hardware()
-    config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
-    problems = launch_problems(config.trainer["backend"], config.precision, config.world_size)
-    if problems:
-        raise RunError("launch error:\n  " + "\n  ".join(problems))
-    torch.set_num_threads(config.trainer["threads_per_rank"])
-    bundle = load_data(config)
-    try:
-        resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
-        saved = read_layout(resume[0] / resume[1]) if resume else None
-        config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
-        check_classes(config, bundle)
-        get_family(config.model["family"]).check_init_from(config.model)
-        reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
-        fault = fault_from_env()
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
-        raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, saved, reshape, fault)
-
-
-def checkpoint_layout(config: EngineConfig) -> dict:
-    layout = parallel_layout(config)
-    vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
-    groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
-    return layout_record(
-        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size, groups
-    )
 
 
 def loop_settings(config: EngineConfig) -> LoopSettings:
@@ -243,40 +134,6 @@ def run(config_path: str, overrides: list[str], between_steps: Callable[[int], N
     barrier()  # rank 0 hosts the store: it leaves only once every watchdog has written `done` there
     destroy_process_group()
     return 0
-
-
-def collective_timeout(silence_s: float) -> float:
-    """Collectives wait a little longer than the watchdog, so a silent peer is named by the
-    watchdog before a bare timeout error blames the rank that was waiting for it."""
-    return silence_s + 3 * beat_interval(silence_s)
-
-
-def end_after_failure(error: Exception, watchdog: Watchdog | None, output: RankOutput) -> NoReturn:
-    """Log the traceback, tell every rank which rank failed first, and end this process.
-
-    `os._exit`, not an exception: interpreter shutdown would wait on the process group and on
-    DeepSpeed's threads, which is how a failed job turns into a hung one."""
-    traceback.print_exc()
-    summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    own = f"rank {env_rank()} failed: {type(error).__name__}: {summary}"
-    if watchdog is not None:
-        if _is_communication_error(error):
-            reason = watchdog.reported_failure(wait_s=watchdog.silence_s + 2 * watchdog.interval)
-            if reason is not None:
-                watchdog.end(reason)
-        first = watchdog.report(own)
-        if first != own:
-            watchdog.end(first)
-    output.announce(f"{own} (full log: {output.path})")
-    os._exit(1)
-
-
-def _is_communication_error(error: Exception) -> bool:
-    """Errors a collective raises when a peer is gone: the peer, not this rank, is the culprit."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "Connection", "timed out"))
-    )
 
 
 def reshape_checkpoint(tag_dir: Path, saved: dict[str, Any], train_batch_size: int) -> None:

@@ -109,7 +109,7 @@ def zero_settings(config: EngineConfig) -> ZeroSettings:
 
 def settled(config: EngineConfig) -> EngineConfig:
     """The config with `model.vocab_size: "auto"` replaced by the tokenizer's size, as the run
-    settles it (`engine.run.settle_vocabulary`)."""
+    settles it (`engine.prepare.settle_vocabulary`)."""
     if config.model["family"] != "gpt" or config.model.get("vocab_size", "auto") != "auto":
         return config
     size = _tokenizer_size(json.dumps(config.data, sort_keys=True), config.trainer["seed"])

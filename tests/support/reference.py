@@ -13,7 +13,8 @@ from data import make_train_loader
 from engine.config import EngineConfig, load_config
 from engine.hardware import detect_hardware
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
-from engine.run import load_data, seed_everything, settle_vocabulary
+from engine.prepare import load_data, settle_vocabulary
+from engine.run import seed_everything
 from models import get_family
 
 ROOT = Path(__file__).resolve().parents[2]

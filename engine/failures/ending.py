@@ -1,0 +1,48 @@
+"""How a failed rank ends the job: named once, with the rank that failed first, and never by
+waiting on peers that are gone."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from engine.distributed import env_rank
+from engine.failures.watchdog import Watchdog, beat_interval
+from engine.rank_logs import RankOutput
+
+
+def collective_timeout(silence_s: float) -> float:
+    """Collectives wait a little longer than the watchdog, so a silent peer is named by the
+    watchdog before a bare timeout error blames the rank that was waiting for it."""
+    return silence_s + 3 * beat_interval(silence_s)
+
+
+def end_after_failure(error: Exception, watchdog: Watchdog | None, output: RankOutput) -> NoReturn:
+    """Log the traceback, tell every rank which rank failed first, and end this process.
+
+    `os._exit`, not an exception: interpreter shutdown would wait on the process group and on
+    DeepSpeed's threads, which is how a failed job turns into a hung one."""
+    traceback.print_exc()
+    summary = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    own = f"rank {env_rank()} failed: {type(error).__name__}: {summary}"
+    if watchdog is not None:
+        if _is_communication_error(error):
+            reason = watchdog.reported_failure(wait_s=watchdog.silence_s + 2 * watchdog.interval)
+            if reason is not None:
+                watchdog.end(reason)
+        first = watchdog.report(own)
+        if first != own:
+            watchdog.end(first)
+    output.announce(f"{own} (full log: {output.path})")
+    os._exit(1)
+
+
+def _is_communication_error(error: Exception) -> bool:
+    """Errors a collective raises when a peer is gone: the peer, not this rank, is the culprit."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and any(mark in text for mark in ("gloo", "NCCL", "Connection", "timed out"))
+    )

@@ -1,0 +1,127 @@
+"""Everything a run's inputs can get wrong, checked before any process group exists: the config
+(validated and resolved), the launcher against it, the data, the vocabulary and classes the model
+needs from the data, the checkpoint to resume and the weights to start from. A failure here is a
+`ConfigError` or `RunError`: one message, exit code 2, on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data import DataBundle, batches_per_epoch, build_datasets
+from engine.checkpoint import resume_target
+from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
+from engine.distributed import env_world_size
+from engine.failures.faults import Fault, fault_from_env
+from engine.hardware import Hardware, detect_hardware
+from engine.launch.detect import launch_problems
+from engine.optim import exempts_vectors
+from engine.parallel.layout import parallel_layout
+from engine.reshape import layout_record, needs_conversion, read_layout
+from models import get_family
+
+
+class RunError(Exception):
+    """A problem with the inputs of a run (not a bug): printed as one message, exit code 2."""
+
+
+def load_data(config: EngineConfig) -> DataBundle:
+    try:
+        bundle = build_datasets(
+            config.data,
+            family=config.model["family"],
+            seed=config.trainer["seed"],
+            seq_len=config.data["seq_len"],
+            vocab_size=None if config.model.get("vocab_size", "auto") == "auto" else config.model["vocab_size"],
+            num_classes=config.model.get("num_classes"),
+        )
+        # The sampler's own check, here rather than in the first step, after every process group.
+        batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
+    except (ValueError, FileNotFoundError) as error:
+        raise RunError(f"data error: {error}") from None
+    return bundle
+
+
+def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size: int | None = None) -> EngineConfig:
+    """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it.
+
+    A resumed run keeps the vocabulary of the checkpoint (`saved_vocab_size`), which "auto" may
+    have padded for another tensor-parallel degree."""
+    if bundle.vocab_size is None:
+        return config
+    config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
+    if config.model["vocab_size"] < bundle.vocab_size:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "model.vocab_size",
+                    f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
+                    f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
+                )
+            ],
+            str(config.source),
+        )
+    return config
+
+
+def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
+    """Refuse a classifier with fewer outputs than the data has classes: its loss would fail in the
+    first forward (on a GPU as a device-side assert), after every process group had started."""
+    if bundle.num_classes is None or config.model["num_classes"] >= bundle.num_classes:
+        return
+    raise ConfigError(
+        [
+            ConfigIssue(
+                "model.num_classes",
+                f"{config.model['num_classes']} is fewer than the {bundle.num_classes} classes of the data "
+                f'(data.type "{config.data["type"]}"); raise it to at least {bundle.num_classes}',
+            )
+        ],
+        str(config.source),
+    )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `prepare` established before any process group: the run may now start."""
+
+    config: EngineConfig
+    data: DataBundle
+    hardware: Hardware
+    resume: tuple[Path, str] | None
+    saved_layout: dict | None  # the layout that saved the checkpoint resumed from
+    reshape: bool  # saved on another layout: resume through a universal checkpoint
+    fault: Fault | None
+
+
+def prepare(config_path: str, overrides: list[str]) -> Prepared:
+    """Everything that can fail because of user input, done before any process group exists."""
+    hardware = detect_hardware()
+    config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
+    problems = launch_problems(config.trainer["backend"], config.precision, config.world_size)
+    if problems:
+        raise RunError("launch error:\n  " + "\n  ".join(problems))
+    torch.set_num_threads(config.trainer["threads_per_rank"])
+    bundle = load_data(config)
+    try:
+        resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
+        saved = read_layout(resume[0] / resume[1]) if resume else None
+        config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
+        check_classes(config, bundle)
+        get_family(config.model["family"]).check_init_from(config.model)
+        reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
+        fault = fault_from_env()
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        raise RunError(str(error)) from None
+    return Prepared(config, bundle, hardware, resume, saved, reshape, fault)
+
+
+def checkpoint_layout(config: EngineConfig) -> dict:
+    layout = parallel_layout(config)
+    vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
+    groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
+    return layout_record(
+        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size, groups
+    )
