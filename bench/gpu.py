@@ -68,7 +68,7 @@ OFFLOAD = [
     "train_micro_batch_size_per_gpu=1",
     "gradient_accumulation_steps=1",
     "train_batch_size=1",
-    "scheduler.params.warmup_num_steps=1",
+    "scheduler.params.warmup_num_steps=2",
 ]
 OFFLOADED = [
     "zero_optimization.stage=2",

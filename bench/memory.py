@@ -28,7 +28,7 @@ CONFIG = ROOT / "configs" / "shakespeare_char.json"
 RANKS = 2
 STEPS = 2
 # 65: the corpus's characters; a one-step warm-up, as the runs last STEPS steps.
-COMMON = ["data.type=synthetic", "model.vocab_size=65", "bf16.enabled=true", "scheduler.params.warmup_num_steps=1"]
+COMMON = ["data.type=synthetic", "model.vocab_size=65", "bf16.enabled=true", "scheduler.params.warmup_num_steps=2"]
 LAYOUTS = {
     "ZeRO-0": ["zero_optimization.stage=0"],
     "ZeRO-1": ["zero_optimization.stage=1"],

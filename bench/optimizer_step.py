@@ -35,7 +35,7 @@ COMMON = [
     "train_micro_batch_size_per_gpu=1",
     "gradient_accumulation_steps=1",
     "train_batch_size=1",
-    "scheduler.params.warmup_num_steps=1",
+    "scheduler.params.warmup_num_steps=2",
 ]
 ROUTES = {
     "bf16": ["bf16.enabled=true", "torch_autocast.enabled=false"],

@@ -118,6 +118,10 @@ def test_minimal_config_gets_explicit_defaults():
         ),
         (with_changes(optimizer={"type": "AdamX"}), "optimizer.type: 'AdamX' is not one of"),
         (with_changes(optimizer={"params": {"lr": "abc"}}), "optimizer.params.lr: expected a number > 0"),  # AdamW's
+        (
+            with_changes(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 1}}),
+            "scheduler.params.warmup_num_steps: expected an integer >= 2, got 1",  # DeepSpeed would run 2
+        ),
         (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
         (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
         (

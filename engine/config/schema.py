@@ -140,7 +140,12 @@ _OPTIMIZER = _object(
 )
 
 _WARMUP_COMMON = {
-    "warmup_num_steps": _integer("Steps of warm-up.", 1000, minimum=1),
+    "warmup_num_steps": _integer(
+        "Steps of warm-up; at least 2, the fewest DeepSpeed runs (it raises a lower count to 2, as its log "
+        "warm-up divides by the logarithm of the count).",
+        1000,
+        minimum=2,
+    ),
     "warmup_type": _enum(["log", "linear"], "Shape of the warm-up curve.", "log"),
 }
 _WARMUP_LR_PARAMS = {
