@@ -45,6 +45,8 @@ def test_bad_hostfiles_name_the_line(tmp_path: Path, text: str, expected: str):
 def test_missing_hostfile_is_named(tmp_path: Path):
     with pytest.raises(HostfileError, match="does not exist"):
         read_hostfile(tmp_path / "nowhere")
+    with pytest.raises(HostfileError, match="is a directory"):
+        read_hostfile(tmp_path)
 
 
 def hostfile_world_size(path: Path, include: str = "", exclude: str = "", num_nodes: int = -1) -> int:

@@ -27,6 +27,8 @@ class HostfileError(ValueError):
 
 def read_hostfile(path: Path) -> OrderedDict[str, int]:
     """Host -> slots, in file order."""
+    if path.is_dir():
+        raise HostfileError(f"hostfile {path} is a directory; give the file of `host slots=N` lines")
     if not path.is_file():
         raise HostfileError(f"hostfile {path} does not exist")
     hosts: OrderedDict[str, int] = OrderedDict()
