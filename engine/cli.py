@@ -183,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument(
         "--no-hardware-check", action="store_true", help="skip checks against this machine (fp16/bf16 support)"
     )
-    validate.add_argument("--print-resolved", action="store_true", help="print the config with every default and auto")
+    validate.add_argument(
+        "--print-resolved",
+        action="store_true",
+        help='print the config with every default and "auto" resolved, but model.vocab_size: the run takes it '
+        "from the tokenizer it builds from the data",
+    )
     _add_overrides(validate)
 
     train = commands.add_parser("train", help="train in this process (same as engine/main.py)")
