@@ -4,6 +4,7 @@
 local Hugging Face tokenizer directory covers everything else.
 """
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,12 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def save(self, directory: Path) -> None: ...
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of which token each id stands for. Checkpoints record it: a char vocabulary
+        rebuilt from a corpus with other characters gives the same ids to other tokens."""
+        ...
 
 
 class CharTokenizer:
@@ -67,6 +74,10 @@ class CharTokenizer:
     def save(self, directory: Path) -> None:
         _write_simple_config(directory, {"type": "char", "vocab": self._chars})
 
+    @property
+    def fingerprint(self) -> str:
+        return _digest("char", self._chars)
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids: no vocabulary to build, and any text can be encoded."""
@@ -88,6 +99,10 @@ class ByteTokenizer:
 
     def save(self, directory: Path) -> None:
         _write_simple_config(directory, {"type": "byte"})
+
+    @property
+    def fingerprint(self) -> str:
+        return "byte"
 
 
 class HFTokenizer:
@@ -120,6 +135,15 @@ class HFTokenizer:
 
     def save(self, directory: Path) -> None:
         self._tokenizer.save_pretrained(str(directory))
+
+    @property
+    def fingerprint(self) -> str:
+        vocabulary = self._tokenizer.get_vocab()  # added tokens included, as len() counts them
+        return _digest("hf", sorted(vocabulary, key=vocabulary.__getitem__))
+
+
+def _digest(kind: str, tokens: Sequence[str]) -> str:
+    return f"{kind}:" + hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:16]
 
 
 def load_tokenizer(spec: str, training_text: str | None) -> Tokenizer:

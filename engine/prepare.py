@@ -92,6 +92,7 @@ class Prepared:
     hardware: Hardware
     resume: tuple[Path, str] | None
     saved_layout: dict | None  # the layout that saved the checkpoint resumed from
+    layout: dict  # this run's, recorded with each of its checkpoints
     reshape: bool  # saved on another layout: resume through a universal checkpoint
     fault: Fault | None
 
@@ -111,17 +112,27 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
         check_classes(config, bundle)
         get_family(config.model["family"]).check_init_from(config.model)
-        reshape = resume is not None and needs_conversion(saved, checkpoint_layout(config), resume[0] / resume[1])
+        layout = checkpoint_layout(config, bundle)
+        reshape = resume is not None and needs_conversion(saved, layout, resume[0] / resume[1])
         fault = fault_from_env()
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, saved, reshape, fault)
+    return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
 
 
-def checkpoint_layout(config: EngineConfig) -> dict:
+def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
+    """The record every checkpoint of this run keeps (`engine.reshape.layout_record`)."""
     layout = parallel_layout(config)
     vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
+    tokenizer = bundle.tokenizer.fingerprint if bundle.tokenizer is not None else None
     return layout_record(
-        config.trainer["backend"], layout.data, layout.pipeline, layout.tensor, config.zero_stage, vocab_size, groups
+        config.trainer["backend"],
+        layout.data,
+        layout.pipeline,
+        layout.tensor,
+        config.zero_stage,
+        vocab_size,
+        groups,
+        tokenizer,
     )

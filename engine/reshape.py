@@ -37,8 +37,10 @@ def layout_record(
     zero_stage: int,
     vocab_size: int | None,
     optimizer_groups: int,
+    tokenizer: str | None,
 ) -> dict[str, Any]:
-    """What a checkpoint must know about the run that saved it to be resumed elsewhere."""
+    """What a checkpoint must know about the run that saved it to be resumed elsewhere.
+    `tokenizer` is the tokenizer's fingerprint (text runs only)."""
     return {
         "backend": backend,
         "data": data,
@@ -47,6 +49,7 @@ def layout_record(
         "zero_stage": zero_stage,
         "vocab_size": vocab_size,
         "optimizer_groups": optimizer_groups,
+        "tokenizer": tokenizer,
     }
 
 
@@ -98,6 +101,13 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
         raise ReshapeError(
             f"model.vocab_size: checkpoint {tag_dir} has {saved['vocab_size']} vocabulary rows, this run "
             f"{current['vocab_size']}; set model.vocab_size to {saved['vocab_size']}"
+        )
+    # Checkpoints from before tokenizers were recorded say nothing; a synthetic-data run has none.
+    if None not in (saved.get("tokenizer"), current["tokenizer"]) and saved["tokenizer"] != current["tokenizer"]:
+        raise ReshapeError(
+            f"data.tokenizer: checkpoint {tag_dir} was trained on another tokenizer's ids ({saved['tokenizer']}, "
+            f"this run {current['tokenizer']}): a char tokenizer numbers the characters of data.path, so a corpus "
+            "with other characters gives each id another one. Resume with the data and tokenizer it was trained on"
         )
     # Checkpoints from before the groups were recorded all had one.
     saved_groups = saved.get("optimizer_groups", 1)

@@ -43,7 +43,7 @@ from engine.parallel.layout import parallel_layout
 from engine.parallel.torch_to_universal import universal_from_torch, universal_from_zero0
 from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
-from engine.prepare import Prepared, RunError, checkpoint_layout, prepare
+from engine.prepare import Prepared, RunError, prepare
 from engine.rank_logs import capture_rank_output
 from engine.reshape import describe
 from engine.sinks import build_sinks
@@ -220,7 +220,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
         + (f", resuming at step {start_step}" if start_step else "")
     )
     if prepared.saved_layout is not None:
-        saved, now = describe(prepared.saved_layout), describe(checkpoint_layout(config))
+        saved, now = describe(prepared.saved_layout), describe(prepared.layout)
         if prepared.reshape:
             logger.write(f"resumed through a universal checkpoint: saved on {saved}, now {now}")
         elif saved != now:
@@ -232,7 +232,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
             checkpoint_root(output_dir),
             step,
             keep_last=trainer["keep_checkpoints"],
-            layout=checkpoint_layout(config),
+            layout=prepared.layout,
             buffers=backend.local_buffers(),
             before_publish=lambda: inject(prepared.fault, env_rank(), "save", step),
         )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint import LATEST, PARTIAL, latest_tag, prune, publish, resume_target
-from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, read_run, run_launcher
+from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, read_run, run_launcher, run_single
 from tests.support.monitor import MONITORS, assert_monitors_rewound
 
 GPT = "configs/tiny_gpt.json"
@@ -185,3 +185,19 @@ def test_each_rank_resumes_its_own_batch_norm_statistics(launcher: Callable[...,
     resumed = launcher(RESNET, {**RESNET_RUN, **overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
     assert resumed.losses == straight.losses[3:]
     assert resumed.records[-1]["eval_loss"] == straight.records[-1]["eval_loss"]
+
+
+def test_a_resume_on_a_corpus_with_other_characters_stops_before_any_process_group(tmp_path: Path):
+    """A char tokenizer numbers the corpus's characters: the same count of other characters would
+    give every id another meaning, and the vocabulary size alone would not notice."""
+    (tmp_path / "first.txt").write_text("abcdefgh " * 400)
+    (tmp_path / "second.txt").write_text("abcdefgz " * 400)
+    run = {"data.path": str(tmp_path / "first.txt"), "trainer.max_steps": 2, "trainer.save_interval": 2}
+    first = run_single(GPT, {**run, "trainer.export": False}, tmp_path / "run")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_single(
+        GPT, {**run, "data.path": str(tmp_path / "second.txt"), "trainer.resume": True}, tmp_path / "run"
+    )
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "data.tokenizer: checkpoint" in resumed.stderr and "another tokenizer's ids" in resumed.stderr
+    assert "init_distributed" not in resumed.stdout + resumed.stderr

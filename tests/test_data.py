@@ -309,6 +309,14 @@ def test_saved_tokenizers_load_back_identical(spec, tmp_path, hf_tokenizer_dir):
     assert loaded.vocab_size == tokenizer.vocab_size and loaded.eos_id == tokenizer.eos_id
     assert loaded.encode(SAMPLE_TEXT) == tokenizer.encode(SAMPLE_TEXT)
     assert loaded.decode(tokenizer.encode(SAMPLE_TEXT)) == SAMPLE_TEXT
+    assert loaded.fingerprint == tokenizer.fingerprint
+
+
+def test_a_char_vocabulary_built_from_other_characters_has_another_fingerprint():
+    """Same size, other characters: the ids mean other tokens, which a resume must not mix."""
+    built = load_tokenizer("char", training_text="abcd").fingerprint
+    assert load_tokenizer("char", training_text="dcba").fingerprint == built
+    assert load_tokenizer("char", training_text="abce").fingerprint != built
 
 
 def test_unknown_tokenizer_spec_is_named_in_the_error(tmp_path):

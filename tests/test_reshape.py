@@ -323,7 +323,9 @@ def test_an_export_moves_weights_to_another_layout(pipeline_tensor: Run, tmp_pat
 
 
 def layout(**changes) -> dict:
-    record = layout_record("deepspeed", data=2, pipeline=1, tensor=1, zero_stage=2, vocab_size=64, optimizer_groups=2)
+    record = layout_record(
+        "deepspeed", data=2, pipeline=1, tensor=1, zero_stage=2, vocab_size=64, optimizer_groups=2, tokenizer="byte"
+    )
     return {**record, **changes}
 
 
@@ -339,6 +341,9 @@ def layout(**changes) -> dict:
         (layout(zero_stage=3), layout(zero_stage=2, data=1), True),
         (layout(tensor=2, data=1, zero_stage=1), layout(data=2, zero_stage=1), True),
         (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
+        # Checkpoints from before tokenizers were recorded, and synthetic tokens, have none to compare.
+        ({key: value for key, value in layout().items() if key != "tokenizer"}, layout(), False),
+        (layout(tokenizer=None), layout(), False),
         # torch.distributed.checkpoint reshards any accelerate checkpoint on load.
         (layout(backend="accelerate", zero_stage=3), layout(backend="accelerate", zero_stage=0, data=1), False),
         # The accelerate backend reads a DeepSpeed checkpoint through its universal form, even on the same layout.
@@ -370,6 +375,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(zero_stage=0), layout(backend="accelerate", zero_stage=0), "which no converter reads"),
         (layout(zero_stage=0), layout(zero_stage=2, data=1), "which no converter reads"),
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
+        (layout(tokenizer="char:0123"), layout(tokenizer="char:4567"), "data.tokenizer: checkpoint .* another"),
         # "auto" pads 59 rows to 60 for two shards; asking for 59 would fail on the split instead.
         (layout(vocab_size=59), layout(vocab_size=60, tensor=2, data=1, zero_stage=1), "cannot split"),
         (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),
@@ -381,7 +387,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
 def test_impossible_reshapes_name_the_way_out(saved: dict, current: dict, message: str, tmp_path: Path):
     with pytest.raises(ReshapeError, match=message) as refusal:
         needs_conversion(saved, current, tmp_path)
-    if "vocab" not in message and "split" not in message:
+    if not any(word in message for word in ("vocab", "split", "tokenizer")):
         assert "model.init_from" in str(refusal.value)
 
 
