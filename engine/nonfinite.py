@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import latest_tag
+from engine.checkpoints.store import latest_tag
 from engine.distributed import all_reduce_sum
 
 STOP, SKIP = "stop", "skip"

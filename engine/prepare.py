@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
-from engine.checkpoint import resume_target
+from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
+from engine.checkpoints.store import resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import env_world_size
 from engine.failures.faults import Fault, fault_from_env
@@ -19,7 +20,6 @@ from engine.hardware import Hardware, detect_hardware
 from engine.launch.detect import launch_problems
 from engine.optim import exempts_vectors
 from engine.parallel.layout import parallel_layout
-from engine.reshape import layout_record, needs_conversion, read_layout
 from models import get_family
 
 
@@ -121,7 +121,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
 
 
 def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
-    """The record every checkpoint of this run keeps (`engine.reshape.layout_record`)."""
+    """The record every checkpoint of this run keeps (`engine.checkpoints.layout.layout_record`)."""
     layout = parallel_layout(config)
     vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1

@@ -16,13 +16,16 @@ import torch
 
 from data import DataBundle, make_eval_loader, make_train_loader
 from engine.backends import Backend, PipelineBackend, build_backend
-from engine.checkpoint import (
+from engine.checkpoints.from_torch import universal_from_torch, universal_from_zero0
+from engine.checkpoints.layout import describe
+from engine.checkpoints.store import (
     checkpoint_root,
     load_rank_buffers,
     load_rng_state,
     save_checkpoint,
     step_tag,
 )
+from engine.checkpoints.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.config import ConfigError, EngineConfig
 from engine.distributed import (
     barrier,
@@ -40,12 +43,9 @@ from engine.flops import gpt_flops_per_token, resnet_flops_per_image
 from engine.metrics import MetricsLogger
 from engine.nonfinite import NonfinitePolicy
 from engine.parallel.layout import parallel_layout
-from engine.parallel.torch_to_universal import universal_from_torch, universal_from_zero0
-from engine.parallel.universal import UNIVERSAL_FOLDER, convert_to_universal
 from engine.plots import write_plots
 from engine.prepare import Prepared, RunError, prepare
 from engine.rank_logs import capture_rank_output
-from engine.reshape import describe
 from engine.sinks import build_sinks
 from engine.timeline import write_pipeline_timeline
 from engine.train import LoopSettings, train

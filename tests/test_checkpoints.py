@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import LATEST, PARTIAL, latest_tag, prune, publish, resume_target
+from engine.checkpoints.store import LATEST, PARTIAL, latest_tag, prune, publish, resume_target
 from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, read_run, run_launcher, run_single
 from tests.support.monitor import MONITORS, assert_monitors_rewound
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.parallel.universal import save_names, saved_buffers
-from engine.reshape import ReshapeError, layout_record, needs_conversion
+from engine.checkpoints.layout import ReshapeError, layout_record, needs_conversion
+from engine.checkpoints.universal import save_names, saved_buffers
 from tests.support.launch import Run, launch, launch_accelerate, read_run, run_single
 
 GPT = "configs/tiny_gpt.json"

@@ -36,14 +36,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.backends.base import Backend, Batch, to_device
+from engine.checkpoints.from_torch import ENGINE_STATE
+from engine.checkpoints.to_torch import FullState, full_state, progress
+from engine.checkpoints.universal import canonical_names, save_names
 from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.parallel.consolidate import tensor_names
-from engine.parallel.torch_to_universal import ENGINE_STATE
-from engine.parallel.universal import canonical_names, save_names
-from engine.parallel.universal_to_torch import FullState, full_state, progress
 from models import ModelFamily
 from models.common import persistent_buffers
 
@@ -236,7 +236,7 @@ class AccelerateBackend(Backend):
 
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
-        rank holds (`engine/parallel/universal_to_torch.py`). Rank 0 alone maps the tensors; torch
+        rank holds (`engine/checkpoints/to_torch.py`). Rank 0 alone maps the tensors; torch
         broadcasts them one at a time."""
         state = full_state(tag_dir, self._unwrapped(), self.optimizer) if dist.get_rank() == 0 else FullState({}, {})
         # Not `set_state_dict`: on the ranks given an empty model state it loads the optimizer only,

@@ -88,7 +88,7 @@ class Backend(ABC):
     @abstractmethod
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
         """Every rank writes its part of checkpoint `tag` under `checkpoint_dir` (collective). No
-        `latest`: `engine.checkpoint.save_checkpoint` publishes the tag once every rank is done."""
+        `latest`: `engine.checkpoints.store.save_checkpoint` publishes the tag once every rank is done."""
 
     @abstractmethod
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:

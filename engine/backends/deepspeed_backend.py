@@ -26,10 +26,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, Batch, to_device
-from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import parameter_groups
-from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
-from engine.parallel.universal import (
+from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
     loading_view,
@@ -40,6 +37,9 @@ from engine.parallel.universal import (
     saved_names,
     universal_info,
 )
+from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
+from engine.optim import parameter_groups
+from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from models import ModelFamily
 from models.common import persistent_buffers
 
@@ -149,7 +149,7 @@ class DeepSpeedEngineBackend(Backend):
         infos: list[dict[str, Any] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(infos, universal_info(module, tensor_size))
         client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: merged_info([info for info in infos if info])}
-        # `latest` is published by engine.checkpoint once every rank is done, not by DeepSpeed.
+        # `latest` is published by engine.checkpoints.store once every rank is done, not by DeepSpeed.
         self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
         save_names(checkpoint_dir / tag, dist.get_rank(), canonical_names(module, self._names))
 
@@ -283,7 +283,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         super().save(checkpoint_dir, tag, client_state)
         if self._untracked_norm and self.grid is None and dist.get_rank() == 0:
             # fp32 ZeRO-0 saves torch's own optimizer state, keyed by position: which parameter each
-            # position is lets a later run reshape it (`torch_to_universal.universal_from_zero0`).
+            # position is lets a later run reshape it (`engine.checkpoints.from_torch.universal_from_zero0`).
             save_optimizer_order(checkpoint_dir / tag, self._trainable)
 
     def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:

@@ -38,7 +38,7 @@ from deepspeed.checkpoint.constants import (
 )
 from torch import nn
 
-from engine.reshape import NAMES_FOLDER, OPTIMIZER_ORDER
+from engine.checkpoints.layout import NAMES_FOLDER, OPTIMIZER_ORDER
 from models.common import persistent_buffers
 from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
 
@@ -135,7 +135,7 @@ def saved_buffers(tag_dir: Path, wanted: Sequence[str]) -> dict[str, torch.Tenso
         return {}
     canonical = saved_names(tag_dir)
     tensors: dict[str, torch.Tensor] = {}
-    # The engine state of an accelerate checkpoint's conversion (`torch_to_universal`) holds them too.
+    # The engine state of an accelerate checkpoint's conversion (`from_torch`) holds them too.
     for path in sorted([*tag_dir.glob("*model_states.pt"), *(tag_dir / UNIVERSAL_FOLDER).glob("*model_states.pt")]):
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         if path.name.startswith("layer_"):

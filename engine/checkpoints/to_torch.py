@@ -1,6 +1,6 @@
 """A DeepSpeed checkpoint as torch's full state dicts, for the accelerate backend to resume.
 
-The universal form of a DeepSpeed checkpoint (`engine/parallel/universal.py`) holds every
+The universal form of a DeepSpeed checkpoint (`engine/checkpoints/universal.py`) holds every
 parameter whole, in fp32, beside its Adam moments and step, whatever ZeRO stage, tensor or pipeline
 split saved it: exactly what torch's `set_state_dict(..., full_state_dict=True)` takes, and cuts
 into whatever this run holds (FSDP2's row pieces, DDP's whole tensors). The persistent buffers,
@@ -25,8 +25,8 @@ import torch
 from deepspeed.checkpoint.constants import PARAM
 from torch import nn
 
+from engine.checkpoints.universal import UNIVERSAL_FOLDER, ZERO3_PREFIX, saved_buffers, saved_names
 from engine.parallel.consolidate import tensor_names
-from engine.parallel.universal import UNIVERSAL_FOLDER, ZERO3_PREFIX, saved_buffers, saved_names
 from models.common import persistent_buffers
 
 # What DeepSpeed's own `load_checkpoint` keeps out of the client state it returns.

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.checkpoints.from_torch import ENGINE_STATE
+from engine.checkpoints.layout import LAYOUT_FILE, write_layout
 from engine.distributed import barrier, env_rank
-from engine.parallel.torch_to_universal import ENGINE_STATE
-from engine.reshape import LAYOUT_FILE, write_layout
 
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -111,7 +111,7 @@ def save_checkpoint(
 ) -> str:
     """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
 
-    `layout` (engine.reshape.layout_record) is kept with the checkpoint, so a resume on another
+    `layout` (engine.checkpoints.layout.layout_record) is kept with the checkpoint, so a resume on another
     layout knows what it is converting from. `before_publish` runs on every rank once its own
     files are written (the fault-injection point for a crash mid-save). Returns the published tag."""
     tag = step_tag(step)

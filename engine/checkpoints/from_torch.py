@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from engine.parallel.universal import publish_universal, saved_optimizer_order
+from engine.checkpoints.universal import publish_universal, saved_optimizer_order
 
 ENGINE_STATE = "engine_state.pt"  # the accelerate backend's schedule and client state, beside its DCP files
 

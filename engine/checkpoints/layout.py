@@ -1,16 +1,15 @@
 """Resuming a checkpoint on another layout: decided before any process group starts.
 
 Every checkpoint records the layout that saved it (`layout.json`: backend, data-, pipeline- and
-tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups). A resume on the same layout loads
-it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-parallel size goes
-through DeepSpeed's universal checkpoint (`engine/parallel/universal.py`): converted once, then cut
-into the new partitions, Adam moments and schedule included, so training continues as if it had
+tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups, tokenizer). A resume on the same
+layout loads it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-
+parallel size goes through DeepSpeed's universal checkpoint (`universal.py`): converted once, then
+cut into the new partitions, Adam moments and schedule included, so training continues as if it had
 never stopped. The accelerate backend's torch distributed checkpoints reshard on load, at any
-process count, DDP or FSDP; across backends both ways go through the universal form
-(`engine/parallel/universal_to_torch.py`, `torch_to_universal.py`). The cases that cannot convert
-or load are refused here with the path that works: resume on the saving layout, let it export, and
-start the new layout from the export with `model.init_from` (weights only; the optimizer starts
-afresh).
+process count, DDP or FSDP; across backends both ways go through the universal form (`to_torch.py`
+and `from_torch.py` beside this module). The cases that cannot convert or load are refused here
+with the path that works: resume on the saving layout, let it export, and start the new layout from
+the export with `model.init_from` (weights only; the optimizer starts afresh).
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 LAYOUT_FILE = "layout.json"
-NAMES_FOLDER = "names"  # every rank's parameter and buffer names (engine/parallel/universal.py)
-# Under NAMES_FOLDER: an fp32 ZeRO-0 checkpoint's optimizer parameters by position (torch_to_universal.py).
+NAMES_FOLDER = "names"  # every rank's parameter and buffer names (engine/checkpoints/universal.py)
+# Under NAMES_FOLDER: an fp32 ZeRO-0 checkpoint's optimizer parameters by position (from_torch.py).
 OPTIMIZER_ORDER = "optimizer_order.json"
 
 
