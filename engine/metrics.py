@@ -94,8 +94,11 @@ def _short(value: Any) -> str:
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The complete records of a metrics.jsonl. A last line without its newline is a write that a
     crash, a full disk or a reader racing the run caught half done, not a record."""
-    text = path.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    return [json.loads(line) for line in _complete_lines(path.read_text())]
+
+
+def _complete_lines(text: str) -> list[str]:
+    return [line for line in text[: text.rfind("\n") + 1].splitlines(keepends=True) if line.strip()]
 
 
 def rewind(path: Path, step: int) -> None:
@@ -105,9 +108,9 @@ def rewind(path: Path, step: int) -> None:
     by rename, so a crash here leaves the old one whole."""
     if not path.is_file():
         return
-    kept = [record for record in read_records(path) if record["step"] <= step]
-    text = "".join(json.dumps(record) + "\n" for record in kept)
-    if text != path.read_text():
+    text = path.read_text()
+    kept = "".join(line for line in _complete_lines(text) if json.loads(line)["step"] <= step)
+    if kept != text:
         pending = path.with_name(path.name + ".partial")
-        pending.write_text(text)
+        pending.write_text(kept)
         os.replace(pending, path)
