@@ -31,10 +31,16 @@ def parameter_groups(parameters: Iterable[nn.Parameter], section: dict[str, Any]
     trainable = [p for p in parameters if p.requires_grad]
     if not exempts_vectors(section, scope):
         return [{"params": trainable}]
-    matrices = [p for p in trainable if p.ndim >= 2]
-    vectors = [p for p in trainable if p.ndim < 2]
+    matrices = [p for p in trainable if full_ndim(p) >= 2]
+    vectors = [p for p in trainable if full_ndim(p) < 2]
     groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
+
+
+def full_ndim(parameter: nn.Parameter) -> int:
+    """Dimensions of the whole parameter: one built partitioned under ZeRO-3 holds an empty
+    one-dimensional shard, and only DeepSpeed's `ds_shape` still tells a matrix from a gain."""
+    return len(getattr(parameter, "ds_shape", parameter.shape))
 
 
 def build_optimizer(

@@ -82,15 +82,38 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
     )
 
 
+# transformers builds this family partitioned under ZeRO-3 (engine/parallel/zero3_init.py).
+BUILDS_PARTITIONED = True
+
+
 def build(section: Mapping[str, Any]) -> GPT2LMHeadModel:
     """A training-mode model; the caller seeds the RNG, so every rank initialises the same weights."""
-    from transformers import GPT2LMHeadModel
-
     config = gpt2_config(architecture(section))
     init_from = section.get("init_from")
-    model = GPT2LMHeadModel(config) if init_from is None else load_pretrained(Path(init_from), config)
+    model = initialised_model(config) if init_from is None else load_pretrained(Path(init_from), config)
     if section.get("activation_checkpointing", False):
         apply_activation_checkpointing(model)
+    return model
+
+
+def initialised_model(config: GPT2Config) -> GPT2LMHeadModel:
+    """Fresh weights, drawn only after construction, module by module in `initialize_weights`' order.
+
+    That is the order transformers draws them in when it builds the model partitioned under ZeRO-3
+    (`deepspeed.zero.Init`, then `initialize_weights_zero3`), while a plain constructor would first
+    spend the RNG on torch's default initialisation: drawn this way, a ZeRO-3 run starts from the same
+    weights as every other layout.
+    """
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return AutoModelForCausalLM.from_config(config).train()
+    with no_init_weights():
+        model = GPT2LMHeadModel(config)
+    model.initialize_weights()
+    model.tie_weights()
     return model
 
 

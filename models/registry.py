@@ -49,6 +49,8 @@ class ModelFamily:
     one stops the run before any process group.
     `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
     repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
+    `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
+    only ever holds its share of the weights (engine/parallel/zero3_init.py).
     """
 
     name: str
@@ -64,6 +66,7 @@ class ModelFamily:
     pipeline: PipelineForm
     tensor_parallel: TensorParallelPlan | None
     shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
+    builds_partitioned: bool
 
 
 def _family(name: str, module: ModuleType) -> ModelFamily:
@@ -90,6 +93,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         ),
         tensor_parallel=getattr(module, "TENSOR_PARALLEL_PLAN", None),
         shard_units=module.shard_units,
+        builds_partitioned=module.BUILDS_PARTITIONED,
     )
 
 

@@ -25,6 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from models.common import AUTO, check_state_dict, merge_preset, setting
 
 IMPLEMENTATIONS = ("torchvision", "transformers")
+# torchvision initialises its ResNet in the constructor, after its submodules exist: under
+# `deepspeed.zero.Init` they would already be partitioned, so ResNets are built whole.
+BUILDS_PARTITIONED = False
 WEIGHTS_FILE = "model.safetensors"
 METADATA_FILE = "export.json"
 

@@ -3,6 +3,8 @@ same numbers as one plain PyTorch process on the same global batch (fp32, CPU, g
 
 from __future__ import annotations
 
+import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from tests.support.compare import (
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import launch
+from tests.support.launch import LAUNCH_TIMEOUT_S, ROOT, deepspeed_launcher, launch
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
 
@@ -149,3 +151,19 @@ def test_torch_autocast_reduces_the_listed_modules_gradients_in_bf16(tmp_path: P
     with pytest.raises(AssertionError, match="transformer.wte.weight"):
         assert_weights_match(run.exported_state_dict(), reference.model, 10 * CLIPPED_WEIGHT_TOLERANCE)
     assert_plan_matches_measured(run, CONFIGS["gpt"], overrides, world_size=2)
+
+
+@pytest.mark.launch
+def test_zero3_builds_the_model_partitioned(tmp_path: Path):
+    """Under ZeRO-3 no rank ever holds the whole GPT: transformers builds it inside zero.Init, and
+    the weights DeepSpeed starts from are, gathered, exactly one plain process's."""
+    module = ["--module", "tests.support.partitioned_build"]
+    command = [*deepspeed_launcher(2), *module, CONFIGS["gpt"], str(tmp_path), "zero_optimization.stage=3"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # Each rank holds its half, padded by at most one element per parameter.
+        assert 0 < record["held"] <= record["full"] // 2 + 64, record
+        assert record["same_as_plain_build"], record
+        assert not record["integration_after_build"], record

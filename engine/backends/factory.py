@@ -1,9 +1,9 @@
 """Which backend a config gets, and the model-parallel set-up that must happen before it exists.
 
 `trainer.backend` (resolved from the launcher when "auto") picks accelerate or DeepSpeed. For
-DeepSpeed the order matters and is the same on every rank: build the full model from the seed, cut
-it into tensor-parallel shards, then hand it to DeepSpeed, either whole (data and tensor
-parallelism) or as pipeline layers.
+DeepSpeed the order matters and is the same on every rank: build the full model from the seed (under
+ZeRO-3, already partitioned where the family allows it), cut it into tensor-parallel shards, then hand
+it to DeepSpeed, either whole (data and tensor parallelism) or as pipeline layers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineB
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
+from engine.parallel.zero3_init import partitioned_build
 from models import ModelFamily
 from models.tensor_parallel import apply_tensor_parallel
 
@@ -33,16 +34,21 @@ def build_backend(
     `load_universal`: the run resumes from a universal checkpoint (DeepSpeed decides at
     initialisation how its optimizer will load; the accelerate backend converts it as it loads).
     """
-    model = family.build(config.model)
     if config.trainer["backend"] == "accelerate":
         # Imported only here: accelerate with torch's FSDP and distributed checkpointing would add
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
+        model = family.build(config.model)
         return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
     ds_config = config.deepspeed_config()
     if load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
+    if config.zero_stage == 3 and family.builds_partitioned:
+        with partitioned_build(ds_config):
+            model = family.build(config.model)
+    else:
+        model = family.build(config.model)
     backend, data_rank = _deepspeed_backend(model, family, config, ds_config, device, input_dtype)
     if config.trainer["compile"]:
         backend.compile()
