@@ -407,8 +407,10 @@ _GPT_MODEL = {
     "n_embd": _integer("Model width (overrides the preset).", minimum=1),
     "n_positions": _integer("Longest sequence the position table covers (overrides the preset).", minimum=1),
     "vocab_size": _integer(
-        'Vocabulary size (overrides the preset); "auto": the tokenizer\'s vocabulary size, rounded up to a '
-        "multiple of parallel.tensor_parallel_size so the embedding splits evenly.",
+        'Vocabulary size; "auto" (the default, taking over from the preset): the tokenizer\'s vocabulary size, '
+        "rounded up to a multiple of parallel.tensor_parallel_size so the embedding splits evenly. The GPT-2 "
+        "presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set 50257 (or 50304, "
+        "padded as nanoGPT pads it) for a model of the preset's size.",
         minimum=1,
         auto=True,
     ),
