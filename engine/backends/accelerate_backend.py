@@ -1,13 +1,14 @@
 """accelerate as the fallback backend: plain DDP and FSDP from the same DeepSpeed-shaped config.
 
 `zero_optimization.stage` picks the wrapper, so one config means the same layout under both
-backends: 0 is DDP (accelerate's `prepare_model`), 2 shards gradients and optimizer states and
-3 parameters too (torch FSDP2 `fully_shard`, one unit per block plus the root, resharding after
-forward only at stage 3); either offload key moves parameters, gradients and the optimizer step
-to the CPU (`CPUOffloadPolicy`). FSDP is applied with torch's own API rather than accelerate's
-plugin because the plugin does not shard on CPU: FSDP2 silently degrades to DDP there and FSDP1
-fails looking for a device. Optimizer and schedule come from the same DeepSpeed keys
-(`engine/optim.py`); checkpoints are torch distributed checkpoints in the same
+backends: 0 is DDP (accelerate's `prepare_model`), 2 and 3 are torch FSDP2 `fully_shard` (one unit
+per block plus the root; parameters, gradients and optimizer states sharded between steps), and
+only 3 reshards parameters after the forward, so 2 holds a block's full parameters from its forward
+to its backward as ZeRO-2 holds them through the step; either offload key moves parameters,
+gradients and the optimizer step to the CPU (`CPUOffloadPolicy`). FSDP is applied with torch's own
+API rather than accelerate's plugin because the plugin does not shard on CPU: FSDP2 silently
+degrades to DDP there and FSDP1 fails looking for a device. Optimizer and schedule come from the
+same DeepSpeed keys (`engine/optim.py`); checkpoints are torch distributed checkpoints in the same
 `checkpoints/stepNNNNNNNN` + `latest` layout as DeepSpeed's.
 """
 

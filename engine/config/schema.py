@@ -594,7 +594,8 @@ _TRAINER = _object(
         "compile": _boolean(
             "Compile the model with torch.compile (inductor). DeepSpeed compiles it through its engine's "
             "`compile()` (each stage's layers under pipeline parallelism); the accelerate backend compiles each "
-            "block before DDP or FSDP wraps it, as torchtitan does. The first steps pay the compilation.",
+            "FSDP unit (a GPT's transformer blocks, a ResNet's four stages) before DDP or FSDP wraps it, as "
+            "torchtitan does. The first steps pay the compilation.",
             False,
         ),
         "weight_decay_on": _enum(

@@ -93,7 +93,8 @@ def launch_problems(backend: str, precision: str, world_size: int) -> list[str]:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         problems.append(
             "accelerate launch was given --use_fsdp; FSDP comes from the config's zero_optimization.stage "
-            "(2: sharded gradients and optimizer states, 3: parameters too), so drop the flag"
+            "(2: FSDP keeping parameters gathered from forward to backward, 3: resharding them after forward), "
+            "so drop the flag"
         )
     return problems
 
