@@ -21,6 +21,7 @@ from engine.config.reference import render_reference
 from engine.config.resolve import resolve
 from engine.config.validate import fill_defaults
 from engine.hardware import Hardware
+from models.resnet import torchvision_available
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.json"))
@@ -233,6 +234,16 @@ def test_every_schema_error_is_reported_at_once():
             "zero_allow_untested_optimizer: DeepSpeed runs SGD under ZeRO only",
         ),
         (
+            with_changes(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}),
+            1,
+            'optimizer.params.adam_w_mode: false asks for L2 decay, but type "AdamW" always decouples it',
+        ),
+        (
+            with_changes(trainer={"export": False, "sample_tokens": 10}),
+            1,
+            "trainer.sample_tokens: the sample is drawn from the export, and trainer.export is false",
+        ),
+        (
             with_changes(
                 scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 50, "total_num_steps": 10}}
             ),
@@ -345,6 +356,21 @@ def test_every_schema_error_is_reported_at_once():
 def test_rules_name_the_path_and_the_fix(document: dict, world_size: int, expected: str):
     messages = issues_of(document, world_size)
     assert any(message.startswith(expected) for message in messages), messages
+
+
+def test_a_torchvision_resnet_is_refused_where_torchvision_does_not_import():
+    document = {
+        "train_micro_batch_size_per_gpu": 2,
+        "model": {"family": "resnet", "preset": "resnet18", "num_classes": 10, "implementation": "torchvision"},
+        "data": {"type": "synthetic", "image_size": 64},
+    }
+    if torchvision_available():
+        assert check_document(document, 1, CPU)["model"]["implementation"] == "torchvision"
+    else:
+        assert issues_of(document) == [
+            'model.implementation: "torchvision", but torchvision does not import here; use "auto" or '
+            '"transformers" (same architecture)'
+        ]
 
 
 def test_hardware_checks_can_be_skipped_for_another_machine():

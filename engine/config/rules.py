@@ -20,6 +20,7 @@ from engine.config.schema import AUTO
 from engine.hardware import Hardware
 from engine.launch.detect import effective_backend
 from models import get_family
+from models.resnet import torchvision_available
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
 
@@ -209,6 +210,12 @@ def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> It
                 "torch_adam under offload_optimizer is refused by DeepSpeed (zero_force_ds_cpu_optimizer); "
                 "drop torch_adam so DeepSpeedCPUAdam runs",
             )
+    if optimizer["type"] == "AdamW" and optimizer["params"].get("adam_w_mode") is False:
+        yield ConfigIssue(
+            "optimizer.params.adam_w_mode",
+            'false asks for L2 decay, but type "AdamW" always decouples it (DeepSpeed ignores the flag there); '
+            'use type "Adam" with adam_w_mode false, or drop the key',
+        )
     deepspeed = effective_backend(document["trainer"]["backend"]) == "deepspeed"
     if deepspeed and optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
         yield ConfigIssue(
@@ -262,6 +269,11 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
             f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
             "last stage (a 1x1 map); use a micro-batch of 2 or more",
         )
+    if model["family"] == "resnet" and model["implementation"] == "torchvision" and not torchvision_available():
+        yield ConfigIssue(
+            "model.implementation",
+            '"torchvision", but torchvision does not import here; use "auto" or "transformers" (same architecture)',
+        )
     if model["init_from"] is not None and not os.path.exists(model["init_from"]):
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
 
@@ -290,6 +302,12 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
     resume = document["trainer"]["resume"]
     if isinstance(resume, str) and not os.path.isdir(resume):
         yield ConfigIssue("trainer.resume", f"{resume!r} is not a checkpoint directory")
+    if document["trainer"]["sample_tokens"] and not document["trainer"]["export"]:
+        yield ConfigIssue(
+            "trainer.sample_tokens",
+            "the sample is drawn from the export, and trainer.export is false; set export to true or "
+            "sample_tokens to 0",
+        )
     output_dir = document["trainer"]["output_dir"]
     if output_dir != AUTO and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         yield ConfigIssue("trainer.output_dir", f"{output_dir!r} is a file; the run needs a directory there")
