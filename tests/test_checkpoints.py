@@ -201,3 +201,20 @@ def test_a_resume_on_a_corpus_with_other_characters_stops_before_any_process_gro
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     assert "data.tokenizer: checkpoint" in resumed.stderr and "another tokenizer's ids" in resumed.stderr
     assert "init_distributed" not in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.launch
+def test_zero3_checkpoints_hold_the_gathered_weights_when_asked(tmp_path: Path):
+    """`stage3_gather_16bit_weights_on_model_save` puts DeepSpeed's gathered state dict in every
+    checkpoint; at the last step it is the very weights the export holds."""
+    overrides = {
+        "zero_optimization.stage": 3,
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
+        "trainer.max_steps": 2,
+    }
+    run = launch(GPT, overrides, tmp_path / "run")
+    gathered = torch.load(run.output_dir / "checkpoints" / "step00000002" / "pytorch_model.bin", weights_only=True)
+    exported = run.exported_state_dict()
+    assert exported.keys() <= gathered.keys()
+    for name, tensor in exported.items():
+        torch.testing.assert_close(gathered[name], tensor, rtol=0, atol=0, msg=name)

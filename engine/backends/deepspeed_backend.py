@@ -152,6 +152,10 @@ class DeepSpeedEngineBackend(Backend):
         # `latest` is published by engine.checkpoints.store once every rank is done, not by DeepSpeed.
         self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
         save_names(checkpoint_dir / tag, dist.get_rank(), canonical_names(module, self._names))
+        if self.engine.zero_optimization_stage() == 3 and self.engine.zero_gather_16bit_weights_on_model_save():
+            # What the key asks of DeepSpeed: the gathered weights beside the shards, in the same
+            # atomically published folder (a collective: every rank gathers, rank 0 writes).
+            self.engine.save_16bit_model(str(checkpoint_dir / tag))
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)

@@ -302,7 +302,9 @@ _ZERO = _object(
             "Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0
         ),
         "stage3_gather_16bit_weights_on_model_save": _boolean(
-            "Stage 3: also write a consolidated 16-bit state dict on save.", False
+            "Stage 3: every checkpoint also holds the gathered weights, in the training precision, as "
+            "pytorch_model.bin (DeepSpeed's save_16bit_model).",
+            False,
         ),
         "sub_group_size": _integer("Stage 3: elements per optimizer sub-group.", 1_000_000_000, minimum=1),
     },
