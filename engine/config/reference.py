@@ -31,11 +31,15 @@ def _rows(prefix: str, schema: dict, condition: str = "") -> Iterator[tuple[str,
         yield (path, describe(sub), default, sub.get("description", "") + condition)
     for branch in schema.get("allOf", []):
         ((field, want),) = ((k, v["const"]) for k, v in branch["if"]["properties"].items())
-        seen = set(schema.get("properties", {}))
+        parent = schema.get("properties", {})
+        # A key the parent already lists appears again only where the branch narrows it (a family's
+        # presets), with the parent's description; `params` differs by optimizer type throughout.
         then = {
             **branch["then"],
             "properties": {
-                k: v for k, v in branch["then"].get("properties", {}).items() if k not in seen or k == "params"
+                k: v if k not in parent or k == "params" else {**parent[k], **v}
+                for k, v in branch["then"].get("properties", {}).items()
+                if k not in parent or k == "params" or {**parent[k], **v} != parent[k]
             },
         }
         yield from _rows(prefix, then, f' *(when {field} is "{want}")*')
