@@ -12,7 +12,7 @@ import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
 from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
-from engine.checkpoints.store import resume_target
+from engine.checkpoints.store import resume_target, tag_step
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import env_world_size
 from engine.failures.faults import Fault, fault_from_env
@@ -108,6 +108,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     bundle = load_data(config)
     try:
         resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
+        check_steps_left(resume, config.trainer["max_steps"])
         saved = read_layout(resume[0] / resume[1]) if resume else None
         config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
         check_classes(config, bundle)
@@ -118,6 +119,16 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
     return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
+
+
+def check_steps_left(resume: tuple[Path, str] | None, max_steps: int) -> None:
+    """A checkpoint past `trainer.max_steps` would load, train nothing and export it as it was."""
+    step = tag_step(resume[1]) if resume is not None else None
+    if step is not None and step > max_steps:
+        raise RunError(
+            f"trainer.max_steps: {max_steps} is below step {step} of checkpoint {resume[0] / resume[1]}; raise it "
+            f"to train on, or set it to {step} to export the checkpoint as it is"
+        )
 
 
 def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
@@ -135,4 +146,5 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
         vocab_size,
         groups,
         tokenizer,
+        config.document["train_batch_size"],
     )

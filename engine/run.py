@@ -248,6 +248,11 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
     last_saved = train(
         backend, family, batches, eval_batches, settings, logger, save, start_step, after_step, before_step
     )
+    own_checkpoint = checkpoint_root(output_dir) / step_tag(start_step)
+    if last_saved == start_step and tag_dir is not None and (tag_dir != own_checkpoint or prepared.reshape):
+        # Nothing left to train: the export reads this run's own checkpoint, so the loaded state is
+        # saved first, in this layout and this output_dir (converting the checkpoint without training).
+        save(start_step)
     if isinstance(backend, PipelineBackend):
         write_pipeline_timeline(backend, output_dir, logger.write)
     if trainer["export"]:

@@ -113,6 +113,41 @@ def test_a_fresh_start_refuses_an_output_dir_holding_an_earlier_runs_checkpoints
         resume_target(False, tmp_path)
 
 
+def test_without_latest_the_newest_published_checkpoint_is_the_latest(tmp_path: Path):
+    """`latest` is only a pointer: every stepNNNNNNNN folder is complete, since saves are published by
+    rename. Should the folder it names (or `latest` itself) be lost, a resume falls back to the newest
+    one there, and a fresh start still refuses the directory."""
+    root = tmp_path / "checkpoints"
+    for tag in ("step00000002", "step00000004", "step00000006" + PARTIAL):
+        make_tag(root, tag)
+    (root / LATEST).write_text("step00000008")
+    assert latest_tag(root) == "step00000004"
+    assert resume_target(True, tmp_path) == (root, "step00000004")
+    (root / LATEST).unlink()
+    assert resume_target(str(tmp_path), tmp_path / "elsewhere") == (root, "step00000004")
+    with pytest.raises(FileExistsError, match=r"latest: step00000004"):
+        resume_target(False, tmp_path)
+
+
+@pytest.mark.launch
+def test_a_resume_with_no_step_left_saves_in_its_own_layout_and_exports(tmp_path: Path):
+    """Resuming another run's checkpoint at its last step trains nothing: the state it loaded is
+    saved as this run's (here converted from ZeRO-2 on 2 ranks to one process) and exported."""
+    source = launch(GPT, {"zero_optimization.stage": 2, "trainer.max_steps": 3}, tmp_path / "source")
+    overrides = {
+        "zero_optimization.stage": 1,
+        "gradient_accumulation_steps": 2,
+        "trainer.max_steps": 3,
+        "trainer.resume": str(source.output_dir),
+    }
+    result = run_single(GPT, overrides, tmp_path / "converted")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert latest_tag(tmp_path / "converted" / "checkpoints") == "step00000003"
+    converted = read_run(tmp_path / "converted").exported_state_dict()
+    for name, tensor in source.exported_state_dict().items():
+        torch.testing.assert_close(converted[name], tensor, rtol=0, atol=0, msg=name)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output_dir = tmp_path_factory.mktemp("uninterrupted")

@@ -125,6 +125,7 @@ def test_single_process_without_launcher_trains(tmp_path: Path):
     [
         ({"data.path": "EMPTY"}, "is empty"),
         ({"trainer.resume": True}, "holds no checkpoint to resume from"),
+        ({"trainer.resume": "STEP5", "trainer.max_steps": 3}, "trainer.max_steps: 3 is below step 5 of checkpoint"),
         ({"model.vocab_size": 10}, "model.vocab_size: 10 is smaller than the tokenizer's"),
         ({"train_micro_batch_size_per_gpu": 4096}, "samples cannot fill one global batch of 4096"),
         ({"zero_optimization.stage": 5}, "zero_optimization.stage: expected an integer >= 0 <= 3, got 5"),
@@ -136,6 +137,10 @@ def test_bad_input_stops_before_any_process_group(overrides: dict, expected: str
         empty = tmp_path / "empty.txt"
         empty.touch()
         overrides = {"data.path": str(empty)}
+    if overrides.get("trainer.resume") == "STEP5":
+        (tmp_path / "checkpoints" / "step00000005").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "step00000005" / "layout.json").write_text("{}")
+        overrides = {**overrides, "trainer.resume": str(tmp_path / "checkpoints" / "step00000005")}
     if overrides.get("model.init_from") == "EMPTY":
         (tmp_path / "empty_checkpoint").mkdir()
         overrides = {"model.init_from": str(tmp_path / "empty_checkpoint")}

@@ -1,7 +1,7 @@
 """Resuming a checkpoint on another layout: decided before any process group starts.
 
 Every checkpoint records the layout that saved it (`layout.json`: backend, data-, pipeline- and
-tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups, tokenizer). A resume on the same
+tensor-parallel sizes, ZeRO stage, vocabulary, optimizer groups, tokenizer, global batch). A resume on the same
 layout loads it as saved. One on another data-parallel size, ZeRO stage, tensor- or pipeline-
 parallel size goes through DeepSpeed's universal checkpoint (`universal.py`): converted once, then
 cut into the new partitions, Adam moments and schedule included, so training continues as if it had
@@ -37,6 +37,7 @@ def layout_record(
     vocab_size: int | None,
     optimizer_groups: int,
     tokenizer: str | None,
+    train_batch_size: int,
 ) -> dict[str, Any]:
     """What a checkpoint must know about the run that saved it to be resumed elsewhere.
     `tokenizer` is the tokenizer's fingerprint (text runs only)."""
@@ -49,6 +50,7 @@ def layout_record(
         "vocab_size": vocab_size,
         "optimizer_groups": optimizer_groups,
         "tokenizer": tokenizer,
+        "train_batch_size": train_batch_size,
     }
 
 
@@ -107,6 +109,16 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"data.tokenizer: checkpoint {tag_dir} was trained on another tokenizer's ids ({saved['tokenizer']}, "
             f"this run {current['tokenizer']}): a char tokenizer numbers the characters of data.path, so a corpus "
             "with other characters gives each id another one. Resume with the data and tokenizer it was trained on"
+        )
+    # The data order and the LR schedule count steps: on another global batch, step N would read
+    # samples the checkpoint has trained on, or skip some. Checkpoints from before it was recorded say nothing.
+    batch = saved.get("train_batch_size")
+    if batch is not None and batch != current["train_batch_size"]:
+        raise ReshapeError(
+            f"train_batch_size: checkpoint {tag_dir} trained on {batch} samples per step and this run on "
+            f"{current['train_batch_size']}; the data order and the LR schedule count steps, so the resumed run "
+            f"would train on samples again or skip some. Keep train_batch_size {batch}: set it, with "
+            'gradient_accumulation_steps "auto" to make it up on this number of ranks'
         )
     # Checkpoints from before the groups were recorded all had one.
     saved_groups = saved.get("optimizer_groups", 1)

@@ -43,13 +43,23 @@ def step_tag(step: int) -> str:
     return f"step{step:08d}"
 
 
+def tag_step(tag: str) -> int | None:
+    """The step a published tag names; None for a folder named otherwise."""
+    match = _TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
 def latest_tag(root: Path) -> str | None:
-    """The tag last published under `root`, or None when nothing was."""
+    """The tag `latest` names or, where `latest` is missing or names a folder that is gone, the newest
+    published one (every `stepNNNNNNNN` folder is complete: saves are published by rename); None when
+    nothing was published."""
     marker = root / LATEST
-    if not marker.is_file():
-        return None
-    tag = marker.read_text().strip()
-    return tag if (root / tag).is_dir() else None
+    if marker.is_file():
+        tag = marker.read_text().strip()
+        if (root / tag).is_dir():
+            return tag
+    published = _published_tags(root) if root.is_dir() else []
+    return published[-1] if published else None
 
 
 def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | None:
@@ -78,19 +88,17 @@ def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | No
     path = Path(resume)
     if path.name.endswith(PARTIAL):
         raise FileNotFoundError(f"trainer.resume: {path} is an unfinished save (a crash interrupted it)")
-    if (checkpoint_root(path) / LATEST).is_file():  # a run's output_dir: its latest checkpoint
+    if latest_tag(checkpoint_root(path)) is not None:  # a run's output_dir: its latest checkpoint
         path = checkpoint_root(path)
-    if (path / LATEST).is_file():
-        tag = latest_tag(path)
-        if tag is None:
-            raise FileNotFoundError(f"trainer.resume: {path}/latest names a checkpoint that is not there")
-        return path, tag
-    if not _holds_checkpoint(path):
+    if _holds_checkpoint(path):
+        return path.parent, path.name
+    tag = latest_tag(path) if path.is_dir() else None  # a checkpoints directory: its latest
+    if tag is None:
         raise FileNotFoundError(
             f"trainer.resume: {path} is not a checkpoint; give a checkpoint directory (checkpoints/stepNNNNNNNN), "
             "the checkpoints directory or the run's output_dir"
         )
-    return path.parent, path.name
+    return path, tag
 
 
 def _holds_checkpoint(path: Path) -> bool:

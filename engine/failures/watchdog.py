@@ -109,5 +109,6 @@ class Watchdog:
     def _store_lost(self, error: Exception) -> str:
         return (
             f"lost the job's rendezvous store at {self._address} ({type(error).__name__}): the process hosting "
-            "it (rank 0 under the deepspeed launcher) died or its node was lost"
+            "it (rank 0 under the deepspeed launcher) ended: interrupted (Ctrl-C), killed or crashed, or its node "
+            "was lost"
         )
