@@ -136,8 +136,8 @@ def test_torch_autocast_matches_the_autocast_reference(variant: Variant, family:
 def test_torch_autocast_reduces_the_listed_modules_gradients_in_bf16(tmp_path: Path):
     """With DeepSpeed's own lower_precision_safe_modules, ZeRO-2 reduces the gradients of torch Linear
     layers (GPT-2's head, tied to the embedding) in bf16: the loss stays within 2e-4 of the reference
-    (1.0e-4 measured; 5.6e-5 when the biases and gains were decayed too) while the embedding moves
-    visibly from it (2e-3 measured), which fp32 reduction never does."""
+    while the weights move visibly from it (by more than 1e-3; the reduction runs bit-identical to it in
+    fp32, the matrix above)."""
     modules = [f"torch.nn.modules.{kind}" for kind in ("linear.Linear", "conv.Conv1d", "conv.Conv2d", "conv.Conv3d")]
     overrides = {
         "torch_autocast.enabled": True,
@@ -148,8 +148,13 @@ def test_torch_autocast_reduces_the_listed_modules_gradients_in_bf16(tmp_path: P
     run = launch(CONFIGS["gpt"], overrides, tmp_path / "run", nproc=2)
     reference = reference_run(CONFIGS["gpt"], overrides, world_size=2)
     assert max_loss_difference(run.losses, reference.losses) <= 2e-4, (run.losses, reference.losses)
-    with pytest.raises(AssertionError, match="transformer.wte.weight"):
-        assert_weights_match(run.exported_state_dict(), reference.model, 10 * CLIPPED_WEIGHT_TOLERANCE)
+    exported = run.exported_state_dict()
+    moved = max(
+        (exported[name] - parameter.detach()).abs().max().item()
+        for name, parameter in reference.model.named_parameters()
+        if name in exported
+    )
+    assert moved > 10 * CLIPPED_WEIGHT_TOLERANCE, moved
     assert_plan_matches_measured(run, CONFIGS["gpt"], overrides, world_size=2)
 
 

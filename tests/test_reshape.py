@@ -296,7 +296,13 @@ def test_batch_norm_statistics_survive_a_reshape(name: str, tmp_path: Path):
 @pytest.mark.launch
 def test_an_impossible_reshape_is_refused_before_loading(zero2: Run, tmp_path: Path):
     checkpoint = zero2.output_dir / "checkpoints" / "step00000003"
-    overrides = {**STEPS, "zero_optimization.stage": 0, "trainer.resume": str(checkpoint)}
+    # Twice the micro-batches on one rank keep the global batch, which must not change on a resume.
+    overrides = {
+        **STEPS,
+        "zero_optimization.stage": 0,
+        "gradient_accumulation_steps": 2,
+        "trainer.resume": str(checkpoint),
+    }
     result = run_single(GPT, overrides, tmp_path / "zero0")
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "ZeRO-0 keeps none" in result.stderr and "model.init_from" in result.stderr
