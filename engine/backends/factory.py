@@ -8,6 +8,8 @@ it to DeepSpeed, either whole (data and tensor parallelism) or as pipeline layer
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
@@ -39,15 +41,12 @@ def build_backend(
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
-        model = family.build(config.model)
-        return AccelerateBackend(model, family, config, device), torch.distributed.get_rank()
+        return AccelerateBackend(family.build(config.model), family, config, device), torch.distributed.get_rank()
     ds_config = config.deepspeed_config()
     if load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
-    if config.zero_stage == 3 and family.builds_partitioned:
-        with partitioned_build(ds_config):
-            model = family.build(config.model)
-    else:
+    partitioned = config.zero_stage == 3 and family.builds_partitioned
+    with partitioned_build(ds_config) if partitioned else nullcontext():
         model = family.build(config.model)
     backend, data_rank = _deepspeed_backend(model, family, config, ds_config, device, input_dtype)
     if config.trainer["compile"]:
