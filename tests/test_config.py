@@ -257,6 +257,20 @@ def test_every_schema_error_is_reported_at_once():
             1,
             "scheduler.params.warmup_num_steps: 50 warm-up steps exceed total_num_steps 10",
         ),
+        (
+            with_changes(
+                scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 3}},
+                trainer={"max_steps": 10},
+            ),
+            1,
+            "scheduler.params.total_num_steps: WarmupDecayLR reaches lr 0 at step 3, so the last 7 of "
+            'trainer.max_steps 10 would train nothing; set it to "auto"',
+        ),
+        (
+            with_changes(optimizer={"type": "AdamW", "params": {"betas": [0.9, 0.99, 0.9]}}),
+            1,
+            "optimizer.params.betas: expected a list of 2 numbers, got [0.9, 0.99, 0.9]",
+        ),
         (with_changes(model__n_head=3), 1, "model.n_head: 3 heads do not divide n_embd 32"),
         (with_changes(data__seq_len=128), 1, "data.seq_len: 128 is longer than model.n_positions 64"),
         (
@@ -527,6 +541,23 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path):
     assert issues_of(with_changes(trainer__output_dir=str(tmp_path / "taken"))) == [
         f"trainer.output_dir: '{tmp_path / 'taken'}' is a file; the run needs a directory there"
     ]
+    assert issues_of(with_changes(trainer__output_dir=str(tmp_path / "taken" / "run" / "1"))) == [
+        f"trainer.output_dir: '{tmp_path / 'taken'}' is a file, so '{tmp_path / 'taken' / 'run' / '1'}' cannot be "
+        "made; the run needs a directory there"
+    ]
+
+
+def test_a_key_given_twice_is_refused_with_its_path(tmp_path: Path):
+    """Python's JSON reader (and DeepSpeed's) keeps the last of two equal keys: a second "trainer"
+    block would silently drop the first's output_dir and everything else in it."""
+    config = tmp_path / "twice.json"
+    config.write_text('{"trainer": {"max_steps": 3}, "optimizer": {"params": {"lr": 1, "lr": 2}}, "trainer": {}}')
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, world_size=1, hardware=CPU)
+    assert [str(issue) for issue in caught.value.issues] == [
+        "optimizer.params.lr: given twice in one object; JSON keeps only the last, so merge them",
+        "trainer: given twice in one object; JSON keeps only the last, so merge them",
+    ]
 
 
 @pytest.mark.parametrize("world_size", ["0", "-2", "two"])
@@ -536,6 +567,7 @@ def test_a_world_size_below_one_is_refused_by_the_command(world_size: str):
         capture_output=True,
         text=True,
         cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 2
     assert f"argument --world-size: expected a whole number >= 1, got '{world_size}'" in result.stderr
@@ -549,6 +581,7 @@ def test_validate_command_reports_every_problem_and_exits_nonzero(tmp_path: Path
         capture_output=True,
         text=True,
         cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "(2 problems)" in result.stderr
@@ -562,6 +595,7 @@ def test_validate_command_accepts_a_shipped_config_for_eight_ranks():
         capture_output=True,
         text=True,
         cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "ZeRO-3" in result.stdout and "x 8 = 64" in result.stdout
@@ -584,6 +618,7 @@ def test_every_rank_prints_a_config_error(tmp_path: Path):
         text=True,
         cwd=ROOT,
         env={**os.environ, **rank_one},
+        timeout=120,
     )
     assert result.returncode == 2
     assert "trainer.max_steps" in result.stderr, result.stderr[-2000:]

@@ -4,10 +4,11 @@ problem. Nothing here starts a process group or builds a model."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-from engine.config.errors import ConfigError, ConfigIssue
+from engine.config.errors import ConfigError, ConfigIssue, json_path
 from engine.config.overrides import apply_overrides
 from engine.config.resolve import EngineConfig, resolve
 from engine.config.rules import rule_issues
@@ -15,10 +16,35 @@ from engine.config.validate import canonical_spellings, fill_defaults, schema_is
 from engine.hardware import Hardware
 
 
+class _Object(dict):
+    """A JSON object that remembers the keys its text gave more than once: Python's reader, like
+    DeepSpeed's, keeps the last and drops the first without a word."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        seen: set[str] = set()
+        repeated: set[str] = set()
+        for key, _ in pairs:
+            (repeated if key in seen else seen).add(key)
+        self.repeated = sorted(repeated)
+
+
+def _repeated_keys(value: Any, path: list) -> Iterator[ConfigIssue]:
+    if isinstance(value, _Object):
+        for key in value.repeated:
+            problem = "given twice in one object; JSON keeps only the last, so merge them"
+            yield ConfigIssue(json_path([*path, key]), problem)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from _repeated_keys(item, [*path, key])
+
+
 def read_document(path: Path) -> dict:
-    """The JSON object in `path`; ConfigError naming the file and the line on failure."""
+    """The JSON object in `path`; ConfigError naming the file and the line on failure, or every
+    key given twice."""
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        document = json.loads(text, object_pairs_hook=_Object)
     except FileNotFoundError:
         raise ConfigError([ConfigIssue(str(path), "file not found")]) from None
     except IsADirectoryError:
@@ -32,7 +58,10 @@ def read_document(path: Path) -> dict:
         ) from None
     if not isinstance(document, dict):
         raise ConfigError([ConfigIssue(str(path), "the top level must be a JSON object")])
-    return document
+    repeated = list(_repeated_keys(document, []))
+    if repeated:
+        raise ConfigError(repeated, str(path))
+    return json.loads(text)  # plain dicts, now that no key is lost
 
 
 def check_document(document: dict, world_size: int, hardware: Hardware | None) -> dict:

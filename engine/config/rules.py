@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -236,6 +237,14 @@ def check_scheduler(document: dict, world_size: int, hardware: Hardware | None) 
             "scheduler.params.warmup_num_steps",
             f"{warmup} warm-up steps exceed total_num_steps {total}; shorten the warm-up or lengthen the run",
         )
+    max_steps = document["trainer"]["max_steps"]
+    if scheduler["type"] == "WarmupDecayLR" and total < max_steps:
+        # WarmupCosineLR holds its floor (cos_min_ratio) after the total; WarmupDecayLR's floor is 0.
+        yield ConfigIssue(
+            "scheduler.params.total_num_steps",
+            f"WarmupDecayLR reaches lr 0 at step {total}, so the last {max_steps - total} of trainer.max_steps "
+            f'{max_steps} would train nothing; set it to "auto" (the run\'s max_steps) or at least {max_steps}',
+        )
 
 
 def check_model(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
@@ -309,8 +318,24 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
             "sample_tokens to 0",
         )
     output_dir = document["trainer"]["output_dir"]
-    if output_dir != AUTO and os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        yield ConfigIssue("trainer.output_dir", f"{output_dir!r} is a file; the run needs a directory there")
+    problem = _unwritable(Path("runs") if output_dir == AUTO else Path(output_dir))
+    if problem:
+        yield ConfigIssue("trainer.output_dir", problem)
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why the run could not make `directory` and write in it, judged from its nearest existing
+    ancestor; None when it can. Checked here, as a failure there would come on every rank at once."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == directory else f", so {str(directory)!r} cannot be made"
+        return f"{str(existing)!r} is a file{where}; the run needs a directory there"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == directory else f" (the nearest existing folder of {str(directory)!r})"
+        return f"{str(existing)!r}{where} is not writable by this user"
+    return None
 
 
 def check_nonfinite(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:

@@ -49,7 +49,9 @@ def describe(schema: dict) -> str:
     }
     text = words.get(kind, f"a {kind}")
     if kind == "array" and "type" in schema.get("items", {}):
-        text += f" of {schema['items']['type']}s"
+        count = schema.get("minItems")
+        exactly = f" {count}" if count is not None and count == schema.get("maxItems") else ""
+        text += f" of{exactly} {schema['items']['type']}s"
     bounds = [
         (">=", schema.get("minimum")),
         (">", schema.get("exclusiveMinimum")),
