@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
+from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
-from engine.checkpoints.store import resume_target, tag_step
+from engine.checkpoints.store import published_tags, resume_target, tag_step
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.distributed import env_world_size
 from engine.failures.faults import Fault, fault_from_env
@@ -110,6 +111,9 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
         check_steps_left(resume, config.trainer["max_steps"])
         saved = read_layout(resume[0] / resume[1]) if resume else None
+        if resume is not None:
+            others = [tag for tag in reversed(published_tags(resume[0])) if tag != resume[1]]
+            check_intact(resume[0] / resume[1], saved, others)
         config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
         check_classes(config, bundle)
         get_family(config.model["family"]).check_init_from(config.model)

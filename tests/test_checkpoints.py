@@ -5,6 +5,7 @@ states must come back too, and so must each rank's batch-norm statistics)."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -197,6 +198,29 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterr
     launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
     assert not (root / ("step00000004" + PARTIAL)).exists()  # the next save cleared it
     assert_same_training(tmp_path, uninterrupted, from_step=2)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_damaged_checkpoint_is_refused_before_any_process_group(uninterrupted: Path, damage: str, tmp_path: Path):
+    """A partition cut short (a full disk, a copy between machines interrupted) or deleted by hand:
+    one message naming trainer.resume and the checkpoint still good, where DeepSpeed would fail on
+    one rank with a zip-reader traceback after every rank had started."""
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    tag = tmp_path / "run" / "checkpoints" / "step00000008"
+    (partition,) = tag.glob("zero_pp_rank_1_*optim_states.pt")
+    if damage == "truncated":
+        os.truncate(partition, partition.stat().st_size // 2)
+        expected = f"{partition.name} is not a complete torch.save archive"
+    else:
+        partition.unlink()
+        expected = "the optimizer partition of data-parallel rank 1 (model-parallel rank 0) is missing"
+    result = run_single(GPT, {**RUN, "gradient_accumulation_steps": 2, "trainer.resume": True}, tmp_path / "run")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"trainer.resume: checkpoint {tag} is damaged: {expected}; resume from an earlier one (step00000006)" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr and "init_distributed" not in result.stdout + result.stderr
 
 
 RESNET = "configs/tiny_resnet.json"

@@ -61,7 +61,12 @@ def write_layout(tag_dir: Path, record: dict[str, Any]) -> None:
 def read_layout(tag_dir: Path) -> dict[str, Any] | None:
     """The saving run's layout; None for a checkpoint written before layouts were recorded."""
     path = tag_dir / LAYOUT_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"trainer.resume: {path} is damaged (not JSON: {error})") from None
 
 
 _GROUPS = {

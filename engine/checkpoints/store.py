@@ -58,7 +58,7 @@ def latest_tag(root: Path) -> str | None:
         tag = marker.read_text().strip()
         if (root / tag).is_dir():
             return tag
-    published = _published_tags(root) if root.is_dir() else []
+    published = published_tags(root) if root.is_dir() else []
     return published[-1] if published else None
 
 
@@ -154,7 +154,7 @@ def publish(root: Path, staging: str, tag: str) -> None:
         # The same step saved again, after a resume from an earlier one. The old copy is renamed
         # aside, not deleted, until the new one has its name; should `latest` name the old copy,
         # it names the newest other checkpoint while the two trade places.
-        if latest_tag(root) == tag and (others := [name for name in _published_tags(root) if name != tag]):
+        if latest_tag(root) == tag and (others := [name for name in published_tags(root) if name != tag]):
             _name_latest(root, others[-1])
         os.replace(root / tag, replaced)
     os.replace(root / staging, root / tag)
@@ -163,7 +163,7 @@ def publish(root: Path, staging: str, tag: str) -> None:
         shutil.rmtree(replaced)
 
 
-def _published_tags(root: Path) -> list[str]:
+def published_tags(root: Path) -> list[str]:
     """The published tags under `root`, oldest step first."""
     return sorted(path.name for path in root.iterdir() if path.is_dir() and _TAG.match(path.name))
 
@@ -181,7 +181,7 @@ def prune(root: Path, keep_last: int) -> list[str]:
     """Delete all but the newest `keep_last` published tags (0: keep all); returns what went."""
     if keep_last <= 0:
         return []
-    tags = _published_tags(root)
+    tags = published_tags(root)
     current = latest_tag(root)
     doomed = [tag for tag in tags[:-keep_last] if tag != current]
     for tag in doomed:
