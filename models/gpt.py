@@ -62,9 +62,10 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
             f'model.vocab_size is {vocab_size!r}; the engine must replace "auto" with the tokenizer\'s '
             "vocabulary size before building the model"
         )
-    # GPT-2's <|endoftext|> is id 50256; a byte or character vocabulary needs its own id in range,
-    # or generation and transformers' config checks point outside the embedding table.
-    special_token_id = min(GPT2_VOCAB_SIZE, vocab_size) - 1
+    # GPT-2's <|endoftext|> (id 50256) ends generation only in a vocabulary that holds it. In a
+    # character or byte vocabulary every id is a real character, which would stop `generate` mid-text
+    # wherever it was sampled, so there the exported model names no end token at all.
+    end_of_text = GPT2_VOCAB_SIZE - 1 if vocab_size >= GPT2_VOCAB_SIZE else None
     dropout = arch["dropout"]
     return GPT2Config(
         n_layer=arch["n_layer"],
@@ -75,8 +76,8 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
-        bos_token_id=special_token_id,
-        eos_token_id=special_token_id,
+        bos_token_id=end_of_text,
+        eos_token_id=end_of_text,
         tie_word_embeddings=True,
         attn_implementation=arch["attn_implementation"],
     )

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
 
 from models import FAMILIES, ModelFamily, count_parameters, get_family
+from models.gpt import gpt2_config
 from models.resnet import torchvision_available
 
 GPT = get_family("gpt")
@@ -170,7 +171,9 @@ def test_resnet_torchvision_request_fails_loudly_without_torchvision_or_builds_i
 
 def test_gpt_tiny_loss_starts_near_uniform_and_eval_sums_agree():
     model = seeded_build(GPT, TINY_GPT)
-    assert model.config.bos_token_id == model.config.eos_token_id == 64
+    # A character vocabulary has no end-of-text token; GPT-2's own has id 50256.
+    assert model.config.bos_token_id is model.config.eos_token_id is None
+    assert gpt2_config({**GPT.architecture(TINY_GPT), "vocab_size": 50304}).eos_token_id == 50256
     batch = token_batch()
     loss = GPT.compute_loss(model, batch)
     loss.backward()
