@@ -5,6 +5,7 @@ here already reduced over ranks; this module never communicates."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        self._file.write(json.dumps(_strict_json({"time": round(time.time(), 3), **record}), allow_nan=False) + "\n")
         self._file.flush()
         for sink in self._sinks:
             sink.write(record)
@@ -114,3 +115,15 @@ def rewind(path: Path, step: int) -> None:
         pending = path.with_name(path.name + ".partial")
         pending.write_text(kept)
         os.replace(pending, path)
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with every non-finite number as None: JSON has no NaN or infinity, and Python would
+    write them anyway, as lines that jq, JavaScript and most JSON readers reject."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(item) for item in value]
+    return value
