@@ -20,6 +20,7 @@ from engine.launch.detect import ACCELERATE_WRAPPERS, accelerate_settings
 from engine.launch.environment import write_launch_env
 from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
 from engine.parallel.layout import parallel_layout
+from engine.prepare import RunError, check_data
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +70,8 @@ def _validate(args: argparse.Namespace) -> int:
             hardware=hardware,
             check_hardware=not args.no_hardware_check,
         )
-    except ConfigError as error:
+        config = check_data(config)
+    except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
         return 2
     doc = config.document
@@ -127,9 +129,9 @@ def _plan(args: argparse.Namespace) -> int:
         )
 
     try:
-        config = load([])
+        config = check_data(load([]))
         plan = plan_run(config)
-    except ConfigError as error:
+    except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
         return 2
     if args.command == "explain":
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument(
         "--print-resolved",
         action="store_true",
-        help='print the config with every default and "auto" resolved, but model.vocab_size: the run takes it '
-        "from the tokenizer it builds from the data",
+        help='print the config with every default and "auto" resolved (model.vocab_size from the tokenizer the '
+        "data builds)",
     )
     _add_overrides(validate)
 

@@ -84,6 +84,16 @@ def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
     )
 
 
+def check_data(config: EngineConfig) -> EngineConfig:
+    """What `prepare` checks of the data, for `validate` and `plan` to check it as a launch would:
+    the files load and fill one global batch, and the model's vocabulary and classes hold the
+    data's. The config comes back with its vocabulary settled."""
+    bundle = load_data(config)
+    config = settle_vocabulary(config, bundle)
+    check_classes(config, bundle)
+    return config
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What `prepare` established before any process group: the run may now start."""

@@ -47,7 +47,8 @@ def plan_of(config: str, world_size: int, overrides: list[str]):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "engine", *args, "--set=data.path=null"]
+    """The command checks the data as a launch would; synthetic data fills any batch."""
+    command = [sys.executable, "-m", "engine", *args, "--set=data.type=synthetic"]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
