@@ -111,7 +111,8 @@ _ADAM_PARAMS = {
     ),
     "torch_adam": _boolean(
         "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (same numbers). "
-        '"auto": true on CPU, where FusedAdam is a C++ op that takes minutes to build, false on GPU.',
+        '"auto": true on CPU, where FusedAdam is a C++ op that takes minutes to build; false on GPU, and '
+        "under optimizer offload, whose optimizer is DeepSpeed's CPU Adam.",
         AUTO,
         auto=True,
     ),
