@@ -4,7 +4,6 @@ same numbers as one plain PyTorch process on the same global batch (fp32, CPU, g
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,23 +11,17 @@ import pytest
 import torch
 
 from tests.support.compare import (
+    CLIPPED_WEIGHT_TOLERANCE,
     LOSS_TOLERANCE,
+    UNCLIPPED_WEIGHT_TOLERANCE,
+    assert_eval_matches,
     assert_grad_norms_match,
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import LAUNCH_TIMEOUT_S, ROOT, deepspeed_launcher, launch
+from tests.support.launch import deepspeed_launcher, launch, run_to_end
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
-
-# With clipping on, ZeRO-1/2 sum the global gradient norm in fp64 where torch sums it in fp32; the
-# clip coefficients differ in the last bit, and Adam turns that into a visible step for the few
-# elements whose gradient is near eps. Such an element can move by at most about lr per step, so
-# the bound is one learning-rate step (docs/design.md, "The tiny ResNet of the tests").
-CLIPPED_WEIGHT_TOLERANCE = 1e-4
-# Without clipping every mode does the reference's arithmetic; measured: bit-identical except
-# ZeRO-3's small persistent parameters (all-reduced, not reduce-scattered), one ulp (1e-10) apart.
-UNCLIPPED_WEIGHT_TOLERANCE = 1e-7
 
 
 @dataclass(frozen=True)
@@ -79,6 +72,8 @@ def test_two_ranks_match_single_process(family: str, variant: Variant, clipping:
     assert run.losses[-1] < run.losses[0]
     tolerance = CLIPPED_WEIGHT_TOLERANCE if clipping else UNCLIPPED_WEIGHT_TOLERANCE
     assert_weights_match(run.exported_state_dict(), reference.model, tolerance)
+    if family == "gpt":
+        assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert_plan_matches_measured(run, CONFIGS[family], overrides, world_size=2)
 
 
@@ -127,6 +122,8 @@ def test_torch_autocast_matches_the_autocast_reference(variant: Variant, family:
     exported = run.exported_state_dict()
     assert {tensor.dtype for tensor in exported.values() if tensor.is_floating_point()} == {torch.float32}
     assert_weights_match(exported, reference.model, UNCLIPPED_WEIGHT_TOLERANCE)
+    if family == "gpt":
+        assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     with pytest.raises(AssertionError):
         assert_weights_match(exported, fp32.model, 10 * UNCLIPPED_WEIGHT_TOLERANCE)
     assert_plan_matches_measured(run, CONFIGS[family], overrides, world_size=2)
@@ -164,7 +161,7 @@ def test_zero3_builds_the_model_partitioned(tmp_path: Path):
     the weights DeepSpeed starts from are, gathered, exactly one plain process's."""
     module = ["--module", "tests.support.partitioned_build"]
     command = [*deepspeed_launcher(2), *module, CONFIGS["gpt"], str(tmp_path), "zero_optimization.stage=3"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    result = run_to_end(command)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -45,11 +45,14 @@ def resolved(run: Run) -> dict:
 
 
 def assert_continues(resumed: Run, source: Run, how: str = "resumed through a universal checkpoint") -> None:
+    """The resumed steps' losses and learning rates are the uninterrupted run's, and so are its
+    final weights."""
     assert [record["step"] for record in resumed.records] == [4, 5, 6]
     for mine, theirs in zip(resumed.records, source.records[3:], strict=True):
         assert abs(mine["loss"] - theirs["loss"]) <= LOSS_TOLERANCE, (resumed.losses, source.losses)
         assert mine["lr"] == pytest.approx(theirs["lr"], rel=1e-6)
     assert how in resumed.stdout
+    assert_same_weights(resumed, source)
 
 
 def assert_same_weights(resumed: Run, source: Run, atol: float = 1e-5) -> None:
@@ -101,7 +104,6 @@ def test_pipeline_and_tensor_shards_resume_as_one_process(pipeline_tensor: Run, 
     tensor shards joined; "auto" keeps the vocabulary the checkpoint padded for two shards."""
     resumed = resumed_from(pipeline_tensor, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1)
     assert_continues(resumed, pipeline_tensor)
-    assert_same_weights(resumed, pipeline_tensor)
 
 
 @pytest.mark.launch
@@ -134,7 +136,6 @@ def test_zero3_on_two_ranks_resumes_as_zero1_or_zero2(zero3: Run, stage: int, np
     overrides = {"zero_optimization.stage": stage, "gradient_accumulation_steps": 2 // nproc}
     resumed = resumed_from(zero3, overrides, tmp_path / f"zero{stage}", nproc=nproc)
     assert_continues(resumed, zero3)
-    assert_same_weights(resumed, zero3)
     (optimizer_file,) = (resumed.output_dir / "checkpoints" / "step00000006").glob("*rank_0_*optim_states.pt")
     saved = torch.load(optimizer_file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     decays = [group["weight_decay"] for group in saved["base_optimizer_state"]["param_groups"]]
@@ -174,7 +175,6 @@ def test_accelerate_fsdp_on_two_ranks_resumes_on_another_layout(fsdp: Run, name:
     overrides, nproc = ACCELERATE_RESHAPES[name]
     resumed = resumed_from(fsdp, overrides, tmp_path / name, nproc=nproc, accelerate=True)
     assert_continues(resumed, fsdp, how="resumed on another layout")
-    assert_same_weights(resumed, fsdp)
 
 
 @pytest.mark.launch
@@ -210,7 +210,6 @@ def test_deepspeed_checkpoint_resumes_under_accelerate(name: str, request: pytes
     source = request.getfixturevalue(fixture)
     resumed = resumed_from(source, overrides, tmp_path / name, nproc=nproc, accelerate=True)
     assert_continues(resumed, source)
-    assert_same_weights(resumed, source)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +232,6 @@ def test_zero0_checkpoint_resumes_on_another_layout(zero0: Run, name: str, tmp_p
     overrides, nproc, accelerate = ZERO0_RESHAPES[name]
     resumed = resumed_from(zero0, overrides, tmp_path / name, nproc=nproc, accelerate=accelerate)
     assert_continues(resumed, zero0)
-    assert_same_weights(resumed, zero0)
 
 
 RESNET = "configs/tiny_resnet.json"
@@ -259,7 +257,6 @@ def test_accelerate_checkpoint_resumes_under_deepspeed(fsdp: Run, name: str, tmp
     overrides, nproc = ACCELERATE_TO_DEEPSPEED[name]
     resumed = resumed_from(fsdp, overrides, tmp_path / name, nproc=nproc)
     assert_continues(resumed, fsdp)
-    assert_same_weights(resumed, fsdp)
 
 
 # (source launcher, source overrides, resume overrides, resume process count, resume under accelerate)
@@ -289,7 +286,6 @@ def test_batch_norm_statistics_survive_a_reshape(name: str, tmp_path: Path):
     source = source_launcher(RESNET, {**STEPS, **saved}, tmp_path / "source")
     resumed = resumed_from(source, overrides, tmp_path / "resumed", nproc=nproc, accelerate=accelerate, config=RESNET)
     assert_continues(resumed, source)
-    assert_same_weights(resumed, source)
     assert resumed.records[-1]["eval_loss"] == pytest.approx(source.records[-1]["eval_loss"], abs=1e-5)
 
 

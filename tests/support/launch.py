@@ -3,8 +3,10 @@ processes) and reading back what a run wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,29 @@ LAUNCH_TIMEOUT_S = 900
 # Drawing the plots costs a launch about 6 s on the 2-core CI machine (matplotlib, seven PNGs while
 # the other ranks wait); the test of the plots asks for them, the other launches do without.
 TEST_DEFAULTS = {"trainer.plots": False}
+
+
+def run_to_end(
+    command: list[str], env: dict[str, str] | None = None, timeout: float = LAUNCH_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """`subprocess.run` in the project root, capturing text, whose timeout (or an interrupt of the
+    tests) ends the whole process group: a launcher's ranks too, which killing the launcher alone
+    would leave training, holding their port and the CPU, after the test has failed."""
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:
+            _end_group(process)
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _end_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
 
 
 def free_port() -> int:
@@ -77,10 +102,9 @@ def run_launcher(
     launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]
 ) -> subprocess.CompletedProcess:
     """Run `launcher engine/main.py ...` to the end, whatever its exit code."""
-    sets = _sets({**overrides, "trainer.output_dir": output_dir})
+    sets = set_arguments({**overrides, "trainer.output_dir": output_dir})
     command = [*launcher, "engine/main.py", "--deepspeed_config", config, *sets]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return run_to_end(command, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
 
 def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path, env: dict[str, str]) -> Run:
@@ -94,9 +118,8 @@ def _launch(launcher: list[str], config: str, overrides: dict, output_dir: Path,
 
 def run_single(config: str, overrides: dict[str, object], output_dir: Path) -> subprocess.CompletedProcess:
     """One process, no launcher: `python engine/main.py ...`."""
-    sets = _sets({**overrides, "trainer.output_dir": output_dir})
-    command = [sys.executable, "engine/main.py", "--deepspeed_config", config, *sets]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    sets = set_arguments({**overrides, "trainer.output_dir": output_dir})
+    return run_to_end([sys.executable, "engine/main.py", "--deepspeed_config", config, *sets])
 
 
 def read_run(output_dir: Path, stdout: str = "") -> Run:
@@ -104,7 +127,8 @@ def read_run(output_dir: Path, stdout: str = "") -> Run:
     return Run(output_dir, [json.loads(line) for line in lines], stdout)
 
 
-def _sets(overrides: dict[str, object]) -> list[str]:
+def set_arguments(overrides: dict[str, object]) -> list[str]:
+    """`overrides` as the `--set` arguments of a command line, with the tests' defaults."""
     return [f"--set={key}={_text(value)}" for key, value in {**TEST_DEFAULTS, **overrides}.items()]
 
 
@@ -146,11 +170,17 @@ def launch_nodes(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         for rank in (1, 0)
     ][::-1]
     results = []
-    for process in processes:
-        output = process.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
-        results.append(NodeResult(process.returncode, output))
+    try:
+        for process in processes:
+            output = process.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+            results.append(NodeResult(process.returncode, output))
+    except BaseException:
+        for process in processes:
+            _end_group(process)
+        raise
     return results

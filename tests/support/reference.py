@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
-from data import make_train_loader
+from data import make_eval_loader, make_train_loader
 from engine.config import EngineConfig, load_config
 from engine.hardware import detect_hardware
 from engine.optim import build_optimizer, build_scheduler, parameter_groups
@@ -26,6 +27,10 @@ class ReferenceRun:
     losses: list[float]
     grad_norms: list[float]  # each step's global gradient norm before clipping
     model: torch.nn.Module
+    # GPT's next-token loss after the last step, over every rank's validation batches, summed by
+    # cross-entropy here rather than by the model family's code; None for ResNet, whose BatchNorm
+    # statistics differ per rank under data parallelism.
+    eval_loss: float | None
 
 
 def reference_run(config_path: str, overrides: dict[str, object], world_size: int) -> ReferenceRun:
@@ -85,4 +90,28 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
         if scheduler is not None:
             scheduler.step()
         losses.append(total / (accumulation * dp))
-    return ReferenceRun(config, losses, grad_norms, model)
+    eval_loss = None
+    if config.model["family"] == "gpt":
+        eval_loss = _evaluate(model, bundle.validation, doc["train_micro_batch_size_per_gpu"], dp, config)
+    return ReferenceRun(config, losses, grad_norms, model, eval_loss)
+
+
+def _evaluate(model: torch.nn.Module, validation: Dataset, micro_batch: int, dp: int, config: EngineConfig) -> float:
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast):
+        for rank in range(dp):
+            loader = make_eval_loader(
+                validation,
+                micro_batch_size=micro_batch,
+                dp_rank=rank,
+                dp_size=dp,
+                max_batches=config.trainer["eval_batches"],
+            )
+            for batch in loader:
+                logits = model(input_ids=batch["input_ids"]).logits.float()
+                labels = batch["labels"]
+                loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+                tokens += labels.numel()
+    model.train()
+    return float(loss_sum / tokens)

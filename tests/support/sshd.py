@@ -42,7 +42,9 @@ class Sshd:
 def loopback_sshd(directory: Path) -> Iterator[Sshd]:
     directory.mkdir(parents=True, exist_ok=True)
     for key in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(directory / key)], check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(directory / key)], check=True, timeout=120
+        )
     (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
     port = free_port()
     config = directory / "sshd_config"
@@ -69,8 +71,8 @@ def loopback_sshd(directory: Path) -> Iterator[Sshd]:
 def _wait_for_login(port: int, options: str) -> None:
     deadline = time.monotonic() + 30
     while True:
-        command = ["ssh", "-n", "-o", "BatchMode=yes", "-p", str(port), *options.split(), NODES[1], "true"]
-        probe = subprocess.run(command, capture_output=True, text=True)
+        login = ["ssh", "-n", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-p", str(port), *options.split()]
+        probe = subprocess.run([*login, NODES[1], "true"], capture_output=True, text=True, timeout=10)
         if probe.returncode == 0:
             return
         if time.monotonic() > deadline:
