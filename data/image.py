@@ -124,7 +124,7 @@ def load_image_datasets(
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"data path {path} does not exist")
+        raise ValueError(f"data.path: {path} does not exist")
     if not path.is_dir():
         raise ValueError(f"image data path {path} must be a directory (imagefolder or {CIFAR_DIRECTORY})")
     cifar_dir = path / CIFAR_DIRECTORY if is_cifar10_dir(path / CIFAR_DIRECTORY) else path

@@ -111,14 +111,14 @@ def read_documents(paths: Sequence[Path], text_field: str) -> tuple[list[str], l
     """
     for path in paths:
         if not path.exists():
-            raise ValueError(f"data path {path} does not exist")
+            raise ValueError(f"data.path: {path} does not exist")
     if len(paths) == 1 and paths[0].is_dir():
         return _read_saved_dataset(paths[0], text_field)
 
     builder = _builder_for(paths)
     for path in paths:
         if path.stat().st_size == 0:
-            raise ValueError(f"data file {path} is empty")
+            raise ValueError(f"data.path: {path} is empty")
     options = {"sample_by": "document"} if builder == "text" else {}
     dataset = load_local_dataset(builder, data_files=[str(p) for p in paths], split="train", **options)
     column = "text" if builder == "text" else text_field
