@@ -161,8 +161,10 @@ def read_cifar10(directory: Path) -> tuple[TensorImages, TensorImages]:
 def read_image_folder(directory: Path, validation_fraction: float) -> tuple[FolderImages, FolderImages, int]:
     """Use the folder's validation or test split, or hold out a fixed random `validation_fraction`.
 
-    The hold-out is random rather than the last files because imagefolder lists images class
-    by class, so a tail would be one class only.
+    imagefolder lists images class by class. The hold-out is random rather than the last files,
+    which would be one class only, and validation is read in a fixed random order, since an
+    evaluation of `eval_batches` reads a prefix of it, which in folder order would score only the
+    first few classes.
     """
     try:
         splits = load_local_dataset("imagefolder", data_dir=str(directory))
@@ -179,9 +181,12 @@ def read_image_folder(directory: Path, validation_fraction: float) -> tuple[Fold
         raise ValueError(f"imagefolder {directory} has no class subdirectories to take labels from")
     num_classes = label_feature.num_classes
 
+    generator = torch.Generator().manual_seed(HOLDOUT_SEED)
     validation_split = next((split for split in VALIDATION_SPLITS if split in splits), None)
     if validation_split is not None:
-        return FolderImages(train), FolderImages(splits[validation_split]), num_classes
+        validation = splits[validation_split]
+        mixed = torch.randperm(len(validation), generator=generator).tolist()
+        return FolderImages(train), FolderImages(validation, mixed), num_classes
 
     num_validation = int(len(train) * validation_fraction)
     if num_validation == 0 or num_validation == len(train):
@@ -189,13 +194,8 @@ def read_image_folder(directory: Path, validation_fraction: float) -> tuple[Fold
             f"imagefolder {directory} has {len(train)} images, too few to hold out validation_fraction "
             f"{validation_fraction}; add images or a validation/ split"
         )
-    generator = torch.Generator().manual_seed(HOLDOUT_SEED)
     order = torch.randperm(len(train), generator=generator).tolist()
-    return (
-        FolderImages(train, sorted(order[num_validation:])),
-        FolderImages(train, sorted(order[:num_validation])),
-        num_classes,
-    )
+    return FolderImages(train, sorted(order[num_validation:])), FolderImages(train, order[:num_validation]), num_classes
 
 
 def _read_cifar_batches(paths: Sequence[Path]) -> TensorImages:

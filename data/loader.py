@@ -18,9 +18,10 @@ from data.sharding import (
     batches_per_epoch,
     check_layout,
     epoch_permutation,
-    eval_batch_indices,
+    eval_batch_positions,
     micro_batch_slice,
 )
+from models.common import IGNORE_INDEX
 
 
 @runtime_checkable
@@ -145,23 +146,38 @@ def make_eval_loader(
 ) -> DataLoader:
     """Exactly `max_batches` unshuffled batches for this rank, the same ones at every evaluation.
 
-    Re-iterable, so one loader serves every evaluation of a run.
+    Every sample counts once, whatever the world size: where the batches of all ranks need more
+    samples than the set has, the repeats carry IGNORE_INDEX labels, which the loss and the counts
+    of every family skip. Re-iterable, so one loader serves every evaluation of a run.
     """
     check_layout(micro_batch_size=micro_batch_size, grad_accum=1, dp_rank=dp_rank, dp_size=dp_size)
     if max_batches < 1:
         raise ValueError(f"max_batches must be at least 1, got {max_batches}")
     batches = [
-        eval_batch_indices(len(dataset), batch, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        eval_batch_positions(len(dataset), batch, micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         for batch in range(max_batches)
     ]
     return DataLoader(
-        dataset,
+        _Cycled(dataset),
         batch_sampler=batches,
         collate_fn=stack_samples,
         num_workers=num_workers,
         pin_memory=pin_memory,
         generator=_private_generator(),
     )
+
+
+class _Cycled(Dataset):
+    """`dataset` read by position: p is sample p % len, with its labels ignored past the end."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, position: int) -> dict[str, Tensor]:
+        sample = self.dataset[position % len(self.dataset)]
+        if position < len(self.dataset) or "labels" not in sample:
+            return sample
+        return {**sample, "labels": torch.full_like(sample["labels"], IGNORE_INDEX)}
 
 
 def _private_generator() -> torch.Generator:

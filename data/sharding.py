@@ -66,8 +66,12 @@ def micro_batch_indices(
     return global_batch[positions]
 
 
-def eval_batch_indices(num_samples: int, batch: int, *, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
-    """Evaluation batch `batch` of rank `dp_rank`: the dataset in order, cycled when it runs out.
+def eval_batch_positions(
+    num_samples: int, batch: int, *, micro_batch_size: int, dp_rank: int, dp_size: int
+) -> list[int]:
+    """Evaluation batch `batch` of rank `dp_rank`, as positions in the dataset read in order and
+    cycled when it runs out: position p is sample p % num_samples, and a position past the end is
+    a repeat, which the loader gives no weight (loader.make_eval_loader).
 
     Cycling lets every rank run the same number of forwards however small the validation set,
     which ZeRO-3 needs because each forward gathers parameters from all ranks.
@@ -75,7 +79,7 @@ def eval_batch_indices(num_samples: int, batch: int, *, micro_batch_size: int, d
     if num_samples < 1:
         raise ValueError("the evaluation dataset is empty")
     start = (batch * dp_size + dp_rank) * micro_batch_size
-    return [(start + offset) % num_samples for offset in range(micro_batch_size)]
+    return [start + offset for offset in range(micro_batch_size)]
 
 
 def check_layout(*, micro_batch_size: int, grad_accum: int, dp_rank: int, dp_size: int) -> None:

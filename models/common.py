@@ -9,6 +9,10 @@ import torch
 
 AUTO = "auto"
 
+# The label every family's loss and evaluation skip (torch's and transformers' default): evaluation
+# gives the samples it repeats to fill its batches no weight with it (data/loader.make_eval_loader).
+IGNORE_INDEX = -100
+
 
 def merge_preset(family: str, presets: Mapping[str, Mapping[str, Any]], section: Mapping[str, Any]) -> dict[str, Any]:
     """The preset named by `section["preset"]`, with every field the section sets (not None) taking over.

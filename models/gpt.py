@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from models.common import AUTO, check_state_dict, merge_preset, setting
+from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
 from models.tensor_parallel import TensorParallelPlan, tied_logits
 
 if TYPE_CHECKING:
@@ -333,8 +334,7 @@ EVAL_SUMS = ("loss_sum", "tokens")
 
 
 def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    predicted = labels.numel()
-    return {
-        "loss_sum": pipeline_loss(logits, labels).detach().double() * predicted,
-        "tokens": torch.tensor(predicted, dtype=torch.float64, device=logits.device),
-    }
+    """Summed in fp32 logits over the tokens that count (labels other than IGNORE_INDEX)."""
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    return {"loss_sum": loss.detach().double(), "tokens": (flat != IGNORE_INDEX).sum().double()}

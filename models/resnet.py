@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from models.common import AUTO, check_state_dict, merge_preset, setting
+from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
 
 IMPLEMENTATIONS = ("torchvision", "transformers")
 # torchvision initialises its ResNet in the constructor, after its submodules exist: under
@@ -300,9 +300,10 @@ EVAL_SUMS = ("correct", "loss_sum", "samples")
 
 
 def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed over the samples that count (labels other than IGNORE_INDEX)."""
     logits = logits.float()
     return {
-        "loss_sum": F.cross_entropy(logits, labels, reduction="sum").double(),
+        "loss_sum": F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").double(),
         "correct": (logits.argmax(dim=-1) == labels).sum().double(),
-        "samples": torch.tensor(labels.numel(), dtype=torch.float64, device=labels.device),
+        "samples": (labels != IGNORE_INDEX).sum().double(),
     }

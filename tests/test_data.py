@@ -30,6 +30,7 @@ from data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, load_toke
 from data.transforms import normalize, pad_and_crop
 from engine.config import load_config
 from engine.hardware import detect_hardware
+from models.common import IGNORE_INDEX
 from tests.support.launch import ROOT
 
 MEAN = (0.485, 0.456, 0.406)
@@ -73,6 +74,13 @@ class IndexDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"index": torch.tensor(index)}
+
+
+class LabelledDataset(IndexDataset):
+    """Each sample's label is its index."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"index": torch.tensor(index), "labels": torch.tensor(index)}
 
 
 class EpochRecordingDataset(IndexDataset):
@@ -234,6 +242,21 @@ def test_eval_loader_gives_every_rank_max_batches_cycling_a_small_dataset(dp_siz
     # Batch b of all ranks together reads the dataset in order, wrapping around at its end.
     in_order = [i for b in range(3) for rank in range(dp_size) for i in per_rank[rank][b]]
     assert in_order == [i % 5 for i in range(3 * dp_size * 2)]
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_eval_loader_counts_every_sample_once_whatever_the_world_size(dp_size: int):
+    """Cycling fills every rank's batches, and the repeats' labels are ignored: the samples that count
+    are the dataset's, each once."""
+    dataset = LabelledDataset(5)
+    counted = []
+    for rank in range(dp_size):
+        loader = make_eval_loader(dataset, micro_batch_size=2, dp_rank=rank, dp_size=dp_size, max_batches=3)
+        for batch in loader:
+            pairs = list(zip(batch["index"].tolist(), batch["labels"].tolist(), strict=True))
+            assert all(label in (index, IGNORE_INDEX) for index, label in pairs)
+            counted += [index for index, label in pairs if label != IGNORE_INDEX]
+    assert sorted(counted) == list(range(5))
 
 
 def test_eval_loader_ranks_are_disjoint_when_the_dataset_is_large_enough():
@@ -612,6 +635,20 @@ def test_image_folder_with_validation_split(image_folder):
     assert images.train[0]["pixel_values"].shape == (3, 16, 16)
     assert sorted(images.validation[i]["labels"].item() for i in range(4)) == [0, 0, 1, 1]
     torch.testing.assert_close(images.validation[1], images.validation.sample(1, epoch=7))
+
+
+def test_image_folder_validation_is_read_with_the_classes_mixed(tmp_path: Path):
+    """The folder lists validation class by class, and an evaluation reads a prefix of it: in folder
+    order the first batches of a 4-class set of 24 would all be class 0."""
+    for split, per_class in (("train", 2), ("validation", 6)):
+        for label in range(4):
+            (tmp_path / split / f"class{label}").mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (8, 8), (label, i, 0)).save(tmp_path / split / f"class{label}" / f"{i}.png")
+    images = load_image_datasets(tmp_path, **image_options(image_size=8))
+    labels = [images.validation[i]["labels"].item() for i in range(24)]
+    assert sorted(labels) == sorted(list(range(4)) * 6)
+    assert len(set(labels[:8])) >= 3, labels
 
 
 def test_image_folder_without_validation_holds_out_a_fixed_fraction(image_folder):

@@ -542,7 +542,12 @@ _TRAINER = _object(
         },
         "log_interval": _integer("Steps between logged metrics.", 10, minimum=1),
         "eval_interval": _integer("Steps between evaluations; 0: evaluate only at the end.", 0, minimum=0),
-        "eval_batches": _integer("Micro-batches per rank in one evaluation.", 8, minimum=1),
+        "eval_batches": _integer(
+            "Micro-batches per rank in one evaluation, read from the validation set in order. Where all ranks' "
+            "batches need more samples than it has, it is read again to fill them, and the repeats count nothing.",
+            8,
+            minimum=1,
+        ),
         "save_interval": _integer("Steps between checkpoints; 0: only at the end.", 0, minimum=0),
         "keep_checkpoints": _integer(
             "Newest published checkpoints to keep; older ones are deleted after each save. 0: keep all.",

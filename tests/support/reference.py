@@ -17,6 +17,7 @@ from engine.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.prepare import load_data, settle_vocabulary
 from engine.run import seed_everything
 from models import get_family
+from models.common import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +112,8 @@ def _evaluate(model: torch.nn.Module, validation: Dataset, micro_batch: int, dp:
             for batch in loader:
                 logits = model(input_ids=batch["input_ids"]).logits.float()
                 labels = batch["labels"]
+                # Samples repeated to fill every rank's batches carry IGNORE_INDEX labels, which count nothing.
                 loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-                tokens += labels.numel()
+                tokens += int((labels != IGNORE_INDEX).sum())
     model.train()
     return float(loss_sum / tokens)
