@@ -161,4 +161,5 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
         groups,
         tokenizer,
         config.document["train_batch_size"],
+        len(bundle.train),
     )

@@ -340,6 +340,7 @@ def layout(**changes) -> dict:
         optimizer_groups=2,
         tokenizer="byte",
         train_batch_size=8,
+        train_samples=960,
     )
     return {**record, **changes}
 
@@ -359,8 +360,9 @@ def layout(**changes) -> dict:
         # Checkpoints from before tokenizers were recorded, and synthetic tokens, have none to compare.
         ({key: value for key, value in layout().items() if key != "tokenizer"}, layout(), False),
         (layout(tokenizer=None), layout(), False),
-        # Nor did they record the global batch.
+        # Nor did they record the global batch, or the training set's size.
         ({key: value for key, value in layout().items() if key != "train_batch_size"}, layout(data=1), True),
+        ({key: value for key, value in layout().items() if key != "train_samples"}, layout(train_samples=9), False),
         # torch.distributed.checkpoint reshards any accelerate checkpoint on load.
         (layout(backend="accelerate", zero_stage=3), layout(backend="accelerate", zero_stage=0, data=1), False),
         # The accelerate backend reads a DeepSpeed checkpoint through its universal form, even on the same layout.
@@ -394,6 +396,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
         (layout(), layout(vocab_size=60), "model.vocab_size: checkpoint"),
         (layout(tokenizer="char:0123"), layout(tokenizer="char:4567"), "data.tokenizer: checkpoint .* another"),
         (layout(), layout(data=1, train_batch_size=4), "train_batch_size: checkpoint .* 8 samples per step"),
+        (layout(), layout(train_samples=860), "data: checkpoint .* 960 samples, and this run's holds 860"),
         # "auto" pads 59 rows to 60 for two shards; asking for 59 would fail on the split instead.
         (layout(vocab_size=59), layout(vocab_size=60, tensor=2, data=1, zero_stage=1), "cannot split"),
         (layout(), layout(optimizer_groups=1), 'weight_decay_on: .* two optimizer groups .* "matrices"'),
@@ -405,7 +408,7 @@ def test_which_resumes_convert(saved: dict, current: dict, converts: bool, tmp_p
 def test_impossible_reshapes_name_the_way_out(saved: dict, current: dict, message: str, tmp_path: Path):
     with pytest.raises(ReshapeError, match=message) as refusal:
         needs_conversion(saved, current, tmp_path)
-    if not any(word in message for word in ("vocab", "split", "tokenizer", "train_batch_size")):
+    if not any(word in message for word in ("vocab", "split", "tokenizer", "train_batch_size", "data:")):
         assert "model.init_from" in str(refusal.value)
 
 

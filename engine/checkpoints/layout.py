@@ -38,9 +38,11 @@ def layout_record(
     optimizer_groups: int,
     tokenizer: str | None,
     train_batch_size: int,
+    train_samples: int,
 ) -> dict[str, Any]:
     """What a checkpoint must know about the run that saved it to be resumed elsewhere.
-    `tokenizer` is the tokenizer's fingerprint (text runs only)."""
+    `tokenizer` is the tokenizer's fingerprint (text runs only); `train_samples` the size of the
+    training set the data order was drawn over."""
     return {
         "backend": backend,
         "data": data,
@@ -51,6 +53,7 @@ def layout_record(
         "optimizer_groups": optimizer_groups,
         "tokenizer": tokenizer,
         "train_batch_size": train_batch_size,
+        "train_samples": train_samples,
     }
 
 
@@ -124,6 +127,17 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"{current['train_batch_size']}; the data order and the LR schedule count steps, so the resumed run "
             f"would train on samples again or skip some. Keep train_batch_size {batch}: set it, with "
             'gradient_accumulation_steps "auto" to make it up on this number of ranks'
+        )
+    # The order is drawn over the training set: another size (another data.path, seq_len, stride or
+    # validation_fraction) reorders it, and with another split text the checkpoint trained on can be
+    # validation now. Checkpoints from before it was recorded say nothing.
+    samples = saved.get("train_samples")
+    if samples is not None and samples != current["train_samples"]:
+        raise ReshapeError(
+            f"data: checkpoint {tag_dir} trained on a training set of {samples} samples, and this run's holds "
+            f"{current['train_samples']}; the data order is drawn over the training set, and with another split "
+            "the checkpoint's training text could now be validation. Resume with the data section it was trained "
+            "on (data.path, seq_len, stride, validation_fraction)"
         )
     # Checkpoints from before the groups were recorded all had one.
     saved_groups = saved.get("optimizer_groups", 1)
