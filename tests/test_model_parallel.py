@@ -128,6 +128,7 @@ def test_bf16_export_holds_the_fp32_masters(parallel: dict, tmp_path: Path):
     "overrides,world_size,expected",
     [
         ({**PP2, "zero_optimization.stage": 2}, 2, "zero_optimization.stage: ZeRO-2 cannot run with pipeline"),
+        ({**PP2, "zero_optimization.stage": 0, "bf16.enabled": "true"}, 2, "BF16_Optimizer cannot load"),
         ({"parallel.pipeline_parallel_size": 3}, 3, "parallel.pipeline_parallel_size: 3 stages for a model of 2"),
         ({"parallel.tensor_parallel_size": 4}, 4, "model.n_head: 2 heads cannot be split"),
         ({**TP2, "zero_optimization.stage": 3}, 2, "zero_optimization.stage: ZeRO-3 does not combine"),

@@ -65,6 +65,16 @@ def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -
             f"ZeRO-{stage} cannot run with pipeline parallelism (DeepSpeed's pipeline engine reduces gradients "
             "itself); use stage 0 or 1, or set parallel.pipeline_parallel_size to 1",
         )
+    bf16 = document["bf16"]["enabled"]
+    if bf16 == AUTO and hardware is not None:
+        bf16 = not document["torch_autocast"]["enabled"] and hardware.device_type == "cuda" and hardware.bf16_supported
+    if stage == 0 and bf16 is True:
+        yield ConfigIssue(
+            "zero_optimization.stage",
+            "ZeRO-0 with bf16 under pipeline parallelism trains, but DeepSpeed's BF16_Optimizer cannot load the "
+            "checkpoints it writes (KeyError in _load_legacy_checkpoint); use stage 1, which resumes, and whose "
+            "optimizer states on one data-parallel replica are the same",
+        )
     if model["activation_checkpointing"]:
         yield ConfigIssue(
             "model.activation_checkpointing",
