@@ -67,3 +67,21 @@ def build_scheduler(section: dict[str, Any] | None, optimizer: torch.optim.Optim
     if not section:
         return None
     return getattr(lr_schedules, section["type"])(optimizer, **section["params"])
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters as this run's config set them: taken before a checkpoint
+    loads, for `restore_group_settings` to put back after it."""
+    groups = optimizer.param_groups
+    return [{key: value for key, value in group.items() if key not in ("params", "step")} for group in groups]
+
+
+def restore_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]], scheduler: Any) -> None:
+    """The config's hyperparameters over the checkpoint's. torch's and DeepSpeed's loads restore each
+    group's lr, betas, eps and decay as saved, so a resume with a lower optimizer.params.lr (what a
+    loss spike calls for) would train on at the old one. The lr comes from the restored schedule
+    where there is one (it counts from the config's values), else from the config. On an unchanged
+    config this writes back exactly the values just loaded."""
+    lrs = scheduler.get_lr() if scheduler is not None else [wanted["lr"] for wanted in settings]
+    for group, wanted, lr in zip(optimizer.param_groups, settings, lrs, strict=True):
+        group.update(wanted, lr=lr)

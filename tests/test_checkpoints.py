@@ -201,6 +201,17 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterr
 
 
 @pytest.mark.launch
+def test_a_resume_trains_at_the_configs_learning_rate(uninterrupted: Path, tmp_path: Path):
+    """What the advice after a loss spike asks for: resume from the last good checkpoint with a lower
+    optimizer.params.lr. DeepSpeed's load restores the saved param groups, whose lr the run then kept."""
+    checkpoint = uninterrupted / "checkpoints" / "step00000006"
+    resumed = launch(GPT, {**RUN, "optimizer.params.lr": 1e-4, "trainer.resume": str(checkpoint)}, tmp_path)
+    assert [record["step"] for record in resumed.records] == [7, 8]
+    assert [record["lr"] for record in resumed.records] == [1e-4, 1e-4]
+    assert resumed.losses[1] != read_run(uninterrupted).losses[7]
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize("damage", ["truncated", "deleted"])
 def test_a_damaged_checkpoint_is_refused_before_any_process_group(uninterrupted: Path, damage: str, tmp_path: Path):
     """A partition cut short (a full disk, a copy between machines interrupted) or deleted by hand:

@@ -43,7 +43,7 @@ from engine.checkpoints.universal import canonical_names, save_names
 from engine.config import EngineConfig
 from engine.launch.detect import ACCELERATE_WRAPPERS
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import build_optimizer, build_scheduler, parameter_groups
+from engine.optim import build_optimizer, build_scheduler, group_settings, parameter_groups, restore_group_settings
 from engine.parallel.consolidate import tensor_names
 from models import ModelFamily
 from models.common import persistent_buffers
@@ -219,6 +219,7 @@ class AccelerateBackend(Backend):
                 f"{path} is not a checkpoint of the accelerate backend (no {ENGINE_STATE}); a DeepSpeed "
                 "checkpoint saved without its layout (layout.json) resumes under the DeepSpeed backend only"
             )
+        settings = group_settings(self.optimizer)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(path))
@@ -226,6 +227,7 @@ class AccelerateBackend(Backend):
         saved = torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=False)
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
+        restore_group_settings(self.optimizer, settings, self.scheduler)
         return saved["client_state"]
 
     def _unwrapped(self) -> torch.nn.Module:
@@ -239,6 +241,7 @@ class AccelerateBackend(Backend):
         """A DeepSpeed checkpoint, whole tensors from its universal form, cut by torch into what this
         rank holds (`engine/checkpoints/to_torch.py`). Rank 0 alone maps the tensors; torch
         broadcasts them one at a time."""
+        settings = group_settings(self.optimizer)
         state = full_state(tag_dir, self._unwrapped(), self.optimizer) if dist.get_rank() == 0 else FullState({}, {})
         # Not `set_state_dict`: on the ranks given an empty model state it loads the optimizer only,
         # and rank 0 waits in the model's broadcast for ever (torch 2.13).
@@ -248,6 +251,7 @@ class AccelerateBackend(Backend):
         saved = progress(tag_dir)
         if self.scheduler is not None and saved.scheduler is not None:
             self.scheduler.load_state_dict(saved.scheduler)
+        restore_group_settings(self.optimizer, settings, self.scheduler)
         return saved.client
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:

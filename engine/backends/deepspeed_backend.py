@@ -38,7 +38,7 @@ from engine.checkpoints.universal import (
     universal_info,
 )
 from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import parameter_groups
+from engine.optim import group_settings, parameter_groups, restore_group_settings
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 from models import ModelFamily
 from models.common import persistent_buffers
@@ -158,9 +158,14 @@ class DeepSpeedEngineBackend(Backend):
             self.engine.save_16bit_model(str(checkpoint_dir / tag))
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
+        settings = group_settings(self.engine.optimizer)
         path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
+        restore_group_settings(self.engine.optimizer, settings, self.engine.lr_scheduler)
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            # DeepSpeed's optimizers restore the clipping they were saved with, too.
+            self.engine.optimizer.clip_grad = self.engine.gradient_clipping()
         return client_state or {}
 
     def local_buffers(self) -> dict[str, torch.Tensor]:
