@@ -73,6 +73,26 @@ def test_resaving_the_step_latest_names_keeps_a_complete_checkpoint_named_throug
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step00000002", "step00000004"]
 
 
+def test_a_rewound_run_sets_the_later_checkpoints_of_the_run_it_left_aside(tmp_path: Path):
+    """Resumed from step 2 of a run that reached step 6, the run saves step 3: steps 4 and 6 belong to
+    the history it left. Pruning would have kept them as the newest and deleted steps 2 and 3."""
+    for step in (2, 4, 6):
+        make_tag(tmp_path, f"step{step:08d}")
+    (tmp_path / LATEST).write_text("step00000006")
+    make_tag(tmp_path, "step00000003" + PARTIAL)
+    publish(tmp_path, "step00000003" + PARTIAL, "step00000003")
+    assert latest_tag(tmp_path) == "step00000003"
+    assert prune(tmp_path, keep_last=2) == []
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_dir()) == [
+        "step00000002",
+        "step00000003",
+        "step00000004.abandoned",
+        "step00000006.abandoned",
+    ]
+    (tmp_path / LATEST).unlink()
+    assert latest_tag(tmp_path) == "step00000003"  # the fallback, too, finds this run's newest
+
+
 def test_prune_keeps_the_newest_and_never_the_one_latest_names(tmp_path: Path):
     for step in (2, 4, 6, 8):
         make_tag(tmp_path, f"step{step:08d}")

@@ -32,6 +32,7 @@ from engine.distributed import barrier, env_rank
 
 LATEST = "latest"
 PARTIAL = ".partial"
+ABANDONED = ".abandoned"
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -161,6 +162,22 @@ def publish(root: Path, staging: str, tag: str) -> None:
     _name_latest(root, tag)
     if replaced.exists():
         shutil.rmtree(replaced)
+    _set_aside_later_steps(root, tag)
+
+
+def _set_aside_later_steps(root: Path, tag: str) -> None:
+    """Checkpoints of later steps than `tag`, just published, were saved by the run this one resumed
+    from an earlier checkpoint: another history. They are kept, renamed `<tag>.abandoned`, out of the
+    way of pruning (which would keep them as the newest and delete this run's) and of the newest-step
+    fallback when `latest` is lost (which would resume them)."""
+    step = tag_step(tag)
+    for later in [name for name in published_tags(root) if tag_step(name) > step]:
+        target = root / (later + ABANDONED)
+        copies = 1
+        while target.exists():
+            copies += 1
+            target = root / f"{later}{ABANDONED}{copies}"
+        os.replace(root / later, target)
 
 
 def published_tags(root: Path) -> list[str]:
