@@ -4,6 +4,7 @@ same numbers as one plain PyTorch process on the same global batch (fp32, CPU, g
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tests.support.compare import (
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import deepspeed_launcher, launch, run_to_end
+from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, run_to_end
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
 
@@ -90,6 +91,21 @@ def test_compiled_model_trains_as_the_eager_reference(tmp_path: Path):
     assert max_loss_difference(run.losses, reference.losses) <= 1e-4, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms, rtol=1e-3)
     assert_weights_match(run.exported_state_dict(), reference.model, CLIPPED_WEIGHT_TOLERANCE)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("launcher", [launch, launch_accelerate], ids=["deepspeed_zero3", "accelerate_fsdp_full"])
+def test_activation_checkpointing_trains_as_the_reference(launcher: Callable[..., Run], tmp_path: Path):
+    """model.activation_checkpointing recomputes each block in backward; under ZeRO-3 and FSDP the
+    recompute gathers the block's parameters again. Without dropout the recompute is exact, so the
+    reference (built with checkpointing too, in one process) is matched bit for bit."""
+    overrides = {"zero_optimization.stage": 3, "model.activation_checkpointing": True, "gradient_clipping": 0.0}
+    run = launcher(CONFIGS["gpt"], overrides, tmp_path / "run")
+    backend = "accelerate" if launcher is launch_accelerate else "deepspeed"
+    reference = reference_run(CONFIGS["gpt"], {**overrides, "trainer.backend": backend}, world_size=2)
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms)
+    assert_weights_match(run.exported_state_dict(), reference.model, UNCLIPPED_WEIGHT_TOLERANCE)
 
 
 # Every ZeRO mode with GPT; ResNet once, for convolutions and BatchNorm (which autocast keeps in
