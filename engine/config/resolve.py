@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.batch import solve_batch_triple
-from engine.config.rules import data_parallel_size
+from engine.config.rules import auto_bf16, data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.flops import device_peak_flops
 from engine.hardware import Hardware
@@ -151,7 +151,7 @@ def _resolve_batch(doc: dict, world_size: int) -> None:
 def _resolve_precision(doc: dict, hardware: Hardware) -> None:
     autocast = doc["torch_autocast"]["enabled"]  # the mixed precision asked for: "auto" picks no other
     if doc["bf16"]["enabled"] == AUTO:
-        doc["bf16"]["enabled"] = not autocast and hardware.device_type == "cuda" and hardware.bf16_supported
+        doc["bf16"]["enabled"] = auto_bf16(doc, hardware)
     if doc["fp16"]["enabled"] == AUTO:
         doc["fp16"]["enabled"] = (
             not autocast and hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported

@@ -46,6 +46,12 @@ def check_parallel_layout(document: dict, world_size: int, hardware: Hardware | 
         )
 
 
+def auto_bf16(document: dict, hardware: Hardware) -> bool:
+    """What bf16.enabled "auto" resolves to: bf16 on a CUDA device that has it, unless torch_autocast
+    is the mixed precision asked for."""
+    return not document["torch_autocast"]["enabled"] and hardware.device_type == "cuda" and hardware.bf16_supported
+
+
 def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """What DeepSpeed's PipelineEngine cannot do, refused before it asserts at run time."""
     parallel, model = document["parallel"], document["model"]
@@ -67,7 +73,7 @@ def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -
         )
     bf16 = document["bf16"]["enabled"]
     if bf16 == AUTO and hardware is not None:
-        bf16 = not document["torch_autocast"]["enabled"] and hardware.device_type == "cuda" and hardware.bf16_supported
+        bf16 = auto_bf16(document, hardware)
     if stage == 0 and bf16 is True:
         yield ConfigIssue(
             "zero_optimization.stage",
