@@ -27,6 +27,9 @@ setup(
         "pillow>=9.0",
         "matplotlib>=3.7",
         "tensorboard>=2.14",
+        # Megatron's indexed .bin/.idx reader and blending indices (data/tokens/); 0.16 is the newest
+        # release served for Python 3.11, and its C++ helpers ship prebuilt.
+        "megatron-core>=0.16.1,<0.17",
     ],
     extras_require={"dev": ["pytest>=8.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16"]},
     entry_points={"console_scripts": ["dsengine=engine.cli:main"]},

@@ -83,6 +83,8 @@ def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
         text_field=data_cfg["text_field"],
         validation_fraction=data_cfg["validation_fraction"],
         stride=data_cfg.get("stride", seq_len),
+        cache_dir=None if data_cfg.get("cache_dir", "auto") == "auto" else data_cfg["cache_dir"],
+        cache_timeout_s=data_cfg.get("cache_timeout_s", 3600),
     )
     return DataBundle(text.train, text.validation, text.tokenizer, text.tokenizer.vocab_size, None)
 

@@ -8,15 +8,71 @@ global batch, micro-step k of rank r reads positions [(k*dp + r)*micro, (k*dp + 
 so walking k then r in one process visits exactly the micro-batches the ranks read.
 """
 
+from __future__ import annotations
+
+import numpy as np
 import torch
 
 from data.seeding import derive_seed
 
+IN_MEMORY_ORDER_UP_TO = 1 << 20
+"""Epochs of at most this many samples are shuffled by torch.randperm (8 MiB of int64 per rank);
+larger ones by a permutation computed on the fly, whose memory does not grow with the data."""
 
-def epoch_permutation(num_samples: int, epoch: int, seed: int) -> torch.Tensor:
-    """The sample order of one epoch: a fresh shuffle per epoch, the same one for every rank."""
-    generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
-    return torch.randperm(num_samples, generator=generator)
+
+def epoch_permutation(num_samples: int, epoch: int, seed: int) -> torch.Tensor | LazyPermutation:
+    """The sample order of one epoch: a fresh shuffle per epoch, the same one for every rank.
+    Sliced (`order[a:b]`) it gives the indices at those positions as a tensor."""
+    if num_samples <= IN_MEMORY_ORDER_UP_TO:
+        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+        return torch.randperm(num_samples, generator=generator)
+    return LazyPermutation(num_samples, derive_seed(seed, epoch))
+
+
+class LazyPermutation:
+    """A pseudo-random permutation of range(n) that computes only the positions asked for.
+
+    A randperm of every window would cost each rank 8 bytes per sample per epoch: 8 GB for a
+    billion-token corpus sampled at stride 1. Megatron builds its shuffle index once on rank 0 and
+    caches it as .npy; this needs neither the disk nor the coordination. It is a 4-round Feistel
+    network over the smallest even number of bits covering n (a bijection on that power of two),
+    walked again from any value that lands at n or above until it lands below ("cycle walking"),
+    which keeps it a bijection on range(n); fewer than 4 walks are expected since 2^bits < 4n.
+    """
+
+    ROUNDS = 4
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.half_bits = max(1, (int(num_samples - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half_bits) - 1)
+        self.keys = np.random.default_rng(seed).integers(0, 2**63, size=self.ROUNDS, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, positions: slice) -> torch.Tensor:
+        values = np.arange(*positions.indices(self.num_samples), dtype=np.uint64)
+        values = self._permute(values)
+        outside = values >= self.num_samples
+        while outside.any():
+            values[outside] = self._permute(values[outside])
+            outside = values >= self.num_samples
+        return torch.from_numpy(values.astype(np.int64))
+
+    def _permute(self, values: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half_bits)
+        left, right = values >> shift, values & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_mix(right ^ key) & self.mask)
+        return (left << shift) | right
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit moves about half the output bits."""
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
 
 
 def batches_per_epoch(num_samples: int, global_batch_size: int) -> int:

@@ -1,6 +1,7 @@
 """Local text corpora turned into fixed-length samples of token ids for language modelling.
 
-Documents are tokenized, joined into one stream and cut into windows of `seq_len + 1` tokens
+Documents are tokenized once into a cached token file (data/tokens/), joined into one stream
+and cut into windows of `seq_len + 1` tokens
 (one every `seq_len` tokens, or for training every `data.stride` tokens): `seq_len` inputs and,
 one token on, `seq_len` targets. Every position of every sample is a real token: no padding,
 no mask.
@@ -10,17 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from data.corpus import DEFAULT_CORPUS
-from data.hf_local import load_local_dataset
-from data.tokenizers import Tokenizer, load_tokenizer
-
-BUILDER_BY_SUFFIX = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-VALIDATION_SPLITS = ("validation", "test")
+from data.tokenizers import Tokenizer
+from data.tokens.cache import default_cache_dir
+from data.tokens.prepare import prepare_text
 
 
 class PackedTokens(Dataset):
@@ -33,25 +32,31 @@ class PackedTokens(Dataset):
     torchtitan's samples). A stride below `seq_len` makes overlapping windows. At stride 1 a
     sample starts at every token, and shuffled sampling draws offsets as nanoGPT's random windows
     do, without replacement.
+
+    The stream is any 1-D integer array, normally a memory-mapped token file: a sample reads its
+    window's pages alone, so memory stays flat however large the corpus, and the ranks of a node
+    share one copy in the page cache.
     """
 
-    def __init__(self, tokens: Tensor, seq_len: int, stride: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, stride: int | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         stride = seq_len if stride is None else stride
         if stride < 1:
             raise ValueError(f"stride must be at least 1, got {stride}")
-        window = seq_len + 1
-        # A view of the stream, not a copy: at stride 1 the windows share all but one token.
-        self.windows = tokens.unfold(0, window, stride) if len(tokens) >= window else tokens.new_empty(0, window)
+        self.tokens, self.seq_len, self.stride = tokens, seq_len, stride
+        self._windows = (len(tokens) - seq_len - 1) // stride + 1 if len(tokens) > seq_len else 0
 
     def __len__(self) -> int:
-        return self.windows.shape[0]
+        return self._windows
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        # Copies, so a caller that edits its sample cannot corrupt the stream behind it.
-        window = self.windows[index]
-        return {"input_ids": window[:-1].clone(), "labels": window[1:].clone()}
+        if not 0 <= index < self._windows:
+            raise IndexError(f"window {index} of {self._windows}")
+        start = index * self.stride
+        # A copy in int64: the model's embedding takes long ids, and the memory map stays read-only.
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return {"input_ids": window[:-1].clone(), "labels": window[1:]}
 
 
 @dataclass
@@ -69,8 +74,11 @@ def load_text_dataset(
     text_field: str = "text",
     validation_fraction: float = 0.1,
     stride: int | None = None,
+    cache_dir: str | Path | None = None,
+    cache_timeout_s: float = 3600,
 ) -> TextDatasets:
-    """Read, tokenize and pack a local corpus; `path=None` means the embedded default corpus.
+    """Tokenize a local corpus once into the token cache (or find it there) and cut its windows;
+    `path=None` means the embedded default corpus, `cache_dir=None` the default cache.
 
     A corpus without its own validation split keeps its first `1 - validation_fraction` of
     tokens for training and the rest for validation, as nanoGPT does: a contiguous tail
@@ -78,22 +86,24 @@ def load_text_dataset(
     `stride` spaces the training samples (see PackedTokens); validation is always cut at stride
     `seq_len`, so each validation token after the first is scored once.
     """
-    paths = [DEFAULT_CORPUS] if path is None else _as_paths(path)
-    source = ", ".join(str(p) for p in paths)
-    train_documents, validation_documents = read_documents(paths, text_field)
-    all_text = "".join(train_documents + (validation_documents or []))
-    text_tokenizer = load_tokenizer(tokenizer, training_text=all_text)
-
-    if validation_documents is None:
-        stream = token_stream(train_documents, text_tokenizer)
+    paths = text_paths(path)
+    prepared, text_tokenizer = prepare_text(
+        paths,
+        tokenizer=tokenizer,
+        text_field=text_field,
+        cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+        timeout_s=cache_timeout_s,
+    )
+    if "validation" in prepared.splits:
+        train_tokens, validation_tokens = prepared.tokens("train"), prepared.tokens("validation")
+    else:
+        stream = prepared.tokens("train")
         split = int(len(stream) * (1 - validation_fraction))
         train_tokens, validation_tokens = stream[:split], stream[split:]
-    else:
-        train_tokens = token_stream(train_documents, text_tokenizer)
-        validation_tokens = token_stream(validation_documents, text_tokenizer)
 
     train, validation = PackedTokens(train_tokens, seq_len, stride), PackedTokens(validation_tokens, seq_len)
     if len(train) == 0 or len(validation) == 0:
+        source = ", ".join(str(p) for p in paths)
         raise ValueError(
             f"{source} is too small: {len(train_tokens)} training and {len(validation_tokens)} validation "
             f"tokens make {len(train)} and {len(validation)} samples of seq_len {seq_len} (each spans "
@@ -103,87 +113,11 @@ def load_text_dataset(
     return TextDatasets(train=train, validation=validation, tokenizer=text_tokenizer)
 
 
-def read_documents(paths: Sequence[Path], text_field: str) -> tuple[list[str], list[str] | None]:
-    """Return (training documents, validation documents or None when the source has no such split).
-
-    A .txt file is one document; .json/.jsonl/.parquet give one document per row of `text_field`;
-    a directory must be a `datasets.save_to_disk` output.
-    """
-    for path in paths:
-        if not path.exists():
-            raise ValueError(f"data.path: {path} does not exist")
-    if len(paths) == 1 and paths[0].is_dir():
-        return _read_saved_dataset(paths[0], text_field)
-
-    builder = _builder_for(paths)
-    for path in paths:
-        if path.stat().st_size == 0:
-            raise ValueError(f"data.path: {path} is empty")
-    options = {"sample_by": "document"} if builder == "text" else {}
-    dataset = load_local_dataset(builder, data_files=[str(p) for p in paths], split="train", **options)
-    column = "text" if builder == "text" else text_field
-    return _text_column(dataset, column, ", ".join(str(p) for p in paths)), None
-
-
-def token_stream(documents: Sequence[str], tokenizer: Tokenizer) -> Tensor:
-    """Concatenate the documents' ids, with the tokenizer's end-of-text id between documents."""
-    ids: list[int] = []
-    for i, document in enumerate(documents):
-        if i > 0 and tokenizer.eos_id is not None:
-            ids.append(tokenizer.eos_id)
-        ids.extend(tokenizer.encode(document))
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def _as_paths(path: str | Path | Sequence[str | Path]) -> list[Path]:
+def text_paths(path: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """`data.path` as a list of paths; None is the embedded default corpus."""
+    if path is None:
+        return [DEFAULT_CORPUS]
     paths = [Path(path)] if isinstance(path, str | Path) else [Path(p) for p in path]
     if not paths:
         raise ValueError("data.path is an empty list; give at least one file")
     return paths
-
-
-def _builder_for(paths: Sequence[Path]) -> str:
-    builders = set()
-    for path in paths:
-        if path.is_dir():
-            raise ValueError(f"{path} is a directory; a directory must be the only data path")
-        builder = BUILDER_BY_SUFFIX.get(path.suffix.lower())
-        if builder is None:
-            raise ValueError(
-                f"data file {path} has unsupported suffix {path.suffix!r}; "
-                f"expected one of {', '.join(BUILDER_BY_SUFFIX)}"
-            )
-        builders.add(builder)
-    if len(builders) > 1:
-        raise ValueError(f"data files {', '.join(map(str, paths))} mix formats; give files of one format")
-    return builders.pop()
-
-
-def _read_saved_dataset(directory: Path, text_field: str) -> tuple[list[str], list[str] | None]:
-    try:
-        saved = datasets.load_from_disk(str(directory))
-    except FileNotFoundError as error:
-        raise ValueError(f"{directory} is a directory but not one written by datasets.save_to_disk") from error
-    if isinstance(saved, datasets.Dataset):
-        return _text_column(saved, text_field, str(directory)), None
-    if "train" not in saved:
-        raise ValueError(f"{directory} has splits {sorted(saved)} but no 'train' split")
-    validation_split = next((split for split in VALIDATION_SPLITS if split in saved), None)
-    train = _text_column(saved["train"], text_field, f"{directory} (train)")
-    if validation_split is None:
-        return train, None
-    return train, _text_column(saved[validation_split], text_field, f"{directory} ({validation_split})")
-
-
-def _text_column(dataset: datasets.Dataset, column: str, source: str) -> list[str]:
-    if column not in dataset.column_names:
-        raise ValueError(
-            f"{source} has no column {column!r} (columns: {', '.join(dataset.column_names)}); "
-            "set data.text_field to the column that holds the text"
-        )
-    documents = list(dataset[column])
-    if not documents:
-        raise ValueError(f"{source} contains no documents")
-    if not all(isinstance(document, str) for document in documents):
-        raise ValueError(f"{source} has rows whose {column!r} is not a string")
-    return documents

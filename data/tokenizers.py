@@ -27,6 +27,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    @property
+    def identity(self) -> str:
+        """What decides the ids this tokenizer gives, for cache keys: its kind for char and byte (a
+        char vocabulary follows from the corpus, which the key records), its whole definition for a
+        Hugging Face tokenizer (normaliser and pre-tokenizer included, not only the vocabulary)."""
+        ...
+
     def save(self, directory: Path) -> None: ...
 
     @property
@@ -54,6 +61,14 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._chars)
+
+    @property
+    def chars(self) -> list[str]:
+        return list(self._chars)
+
+    @property
+    def identity(self) -> str:
+        return "char"
 
     @property
     def eos_id(self) -> int | None:
@@ -85,6 +100,10 @@ class ByteTokenizer:
     @property
     def vocab_size(self) -> int:
         return 256
+
+    @property
+    def identity(self) -> str:
+        return "byte"
 
     @property
     def eos_id(self) -> int | None:
@@ -129,6 +148,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         # Whole documents are encoded before packing, so the model's max length does not apply.
         return self._tokenizer.encode(text, add_special_tokens=False, verbose=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Many texts in one call: a fast tokenizer's Rust core encodes them on every core, and its
+        `encode_batch_fast` skips the character offsets that tokenizing a corpus never reads."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self._tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+        return [encoding.ids for encoding in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    @property
+    def identity(self) -> str:
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            definition = backend.to_str()
+        else:
+            definition = json.dumps(self._tokenizer.get_vocab(), sort_keys=True)
+        return "hf:" + hashlib.sha256(definition.encode()).hexdigest()[:16]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])

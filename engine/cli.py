@@ -149,6 +149,37 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def _prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize the config's text corpus into the token cache now, rather than at the first launch."""
+    from data.text import text_paths
+    from data.tokens.prepare import prepare_text
+
+    try:
+        hardware = detect_hardware()
+        config = load_config(args.config, args.overrides, world_size=1, hardware=hardware, check_hardware=False)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    data = config.data
+    if data["type"] != "text" or data["streaming"]:
+        what = "streams its text as it trains" if data["type"] == "text" else f'has data.type "{data["type"]}"'
+        print(f"prepare-data: {args.config} {what}: there is no text corpus to tokenize ahead", file=sys.stderr)
+        return 2
+    try:
+        prepared, tokenizer = prepare_text(
+            text_paths(data["path"]),
+            tokenizer=data["tokenizer"],
+            text_field=data["text_field"],
+            cache_dir=Path(data["cache_dir"]),
+            timeout_s=data["cache_timeout_s"],
+        )
+    except (ValueError, TimeoutError) as error:
+        print(f"data error: {error}", file=sys.stderr)
+        return 2
+    print(f"{prepared.describe()}; vocabulary {tokenizer.vocab_size}")
+    return 0
+
+
 def _plot(run_dir: Path) -> int:
     from engine.plots import write_plots
 
@@ -225,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("--world-size", type=_positive, default=1, help="number of processes the run will have")
     _add_overrides(explain)
 
+    prepare_data = commands.add_parser(
+        "prepare-data",
+        help="tokenize the config's text corpus into the token cache once (a launch otherwise does it first)",
+    )
+    prepare_data.add_argument("config")
+    _add_overrides(prepare_data)
+
     plot = commands.add_parser("plot", help="draw a run's curves from its metrics.jsonl as PNGs in RUN_DIR/plots")
     plot.add_argument("run_dir", type=Path, metavar="RUN_DIR")
 
@@ -249,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("plan", "explain"):
         return _plan(args)
+    if args.command == "prepare-data":
+        return _prepare_data(args)
     if args.command == "plot":
         return _plot(args.run_dir)
     if args.command == "schema":

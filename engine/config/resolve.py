@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.tokens.cache import default_cache_dir
 from engine.config.batch import solve_batch_triple
 from engine.config.rules import auto_bf16, data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
@@ -110,6 +111,8 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         doc["data"]["seq_len"] = architecture.get("n_positions")
     if doc["data"]["stride"] == AUTO:
         doc["data"]["stride"] = doc["data"]["seq_len"]
+    if doc["data"]["cache_dir"] == AUTO:
+        doc["data"]["cache_dir"] = str(default_cache_dir())
     if doc["data"]["pin_memory"] == AUTO:
         doc["data"]["pin_memory"] = hardware.device_type == "cuda"
     trainer = doc["trainer"]

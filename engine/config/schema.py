@@ -449,22 +449,73 @@ _MODEL = {
 _DATA = _object(
     "What to train on. Sharded by data-parallel rank; every rank reads disjoint samples.",
     {
-        "type": _enum(["text", "image", "synthetic"], "text for GPT, image for ResNet, synthetic for either."),
+        "type": _enum(
+            ["text", "tokens", "image", "synthetic"],
+            "text (raw text, tokenized once into a cached token file) or tokens (token files already written: "
+            "nanoGPT's flat .bin, Megatron/GPT-NeoX .bin/.idx) for GPT, image for ResNet, synthetic for either.",
+        ),
         "path": {
             "anyOf": [
                 {"type": "string"},
                 {"type": "array", "items": {"type": "string"}, "minItems": 1},
                 {"type": "null"},
             ],
-            "description": "text: .txt/.json/.jsonl/.parquet file(s) or a save_to_disk directory; null: the "
-            "embedded default corpus. image: an imagefolder directory or a cifar-10-batches-py directory.",
+            "description": "text: .txt/.json/.jsonl/.parquet file(s), a directory of such files (each .txt file one "
+            "document) or a save_to_disk directory; null: the embedded default corpus. tokens: a flat .bin "
+            "(nanoGPT) or a Megatron indexed dataset (its prefix, or its .bin beside its .idx); several are blended "
+            "by data.weights. image: an imagefolder directory or a cifar-10-batches-py directory.",
+            "default": None,
+        },
+        "weights": {
+            "anyOf": [{"type": "array", "items": {"type": "number"}, "minItems": 1}, {"type": "null"}],
+            "description": "tokens: one positive weight per data.path entry; training samples are drawn from each in "
+            "these proportions, as Megatron blends its --data-path (normalised, so [3, 1] is [0.75, 0.25]). null: "
+            "in proportion to each file's samples.",
+            "default": None,
+        },
+        "dtype": _enum(
+            ["auto", "uint8", "uint16", "int32", "uint32", "int64"],
+            'tokens: the integer type of a flat .bin. "auto": what its metadata (this engine\'s meta.json or '
+            "nanoGPT's meta.pkl beside it) says, else uint16 as nanoGPT writes it. A Megatron .idx names its own.",
+            "auto",
+        ),
+        "validation_path": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "null"},
+            ],
+            "description": "tokens and streaming text: the held-out data, in the same form as data.path (nanoGPT's "
+            "val.bin, say). null: tokens hold out the last data.validation_fraction of each file; streaming text "
+            "needs it.",
             "default": None,
         },
         "tokenizer": {
             "type": "string",
-            "description": '"char", "byte", or a local Hugging Face tokenizer directory.',
+            "description": '"char", "byte", or a local Hugging Face tokenizer directory. tokens: the tokenizer that '
+            "wrote them, for the vocabulary and generation; a nanoGPT meta.pkl or this engine's meta.json beside "
+            'the file supplies it where this stays "char".',
             "default": "char",
         },
+        "cache_dir": {
+            "type": "string",
+            "description": 'text: where tokenized corpora are cached, one folder per corpus and tokenizer. "auto": '
+            "$DSENGINE_DATA_CACHE, else ~/.cache/dsengine/tokens (node-local: each node builds its own once). A "
+            "folder on storage every node shares is built once for all.",
+            "default": AUTO,
+        },
+        "cache_timeout_s": _integer(
+            "text: how long a process waits for another one (on this node, or sharing cache_dir) to finish "
+            "tokenizing the corpus before it gives up with an error.",
+            3600,
+            minimum=1,
+        ),
+        "streaming": _boolean(
+            "text: read the corpus lazily with Hugging Face datasets' streaming, split over the data-parallel "
+            "ranks, tokenizing and packing as it goes; each checkpoint saves every rank's position. For corpora "
+            "that do not fit on local disk. Needs data.validation_path.",
+            False,
+        ),
         "text_field": {
             "type": "string",
             "description": "Column holding the text in json/parquet data.",

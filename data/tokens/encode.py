@@ -1,0 +1,185 @@
+"""Tokenize a corpus into a prepared folder (data/tokens/files.py) in bounded memory and at the
+tokenizer's full speed.
+
+Bytes and characters are encoded with numpy over whole blocks (no per-character Python). A Hugging
+Face tokenizer gets batches of texts through its own batched call, which its Rust core spreads
+over every core. A .txt document longer than a block is cut for it only after a newline that sits
+between two non-space characters: a byte-level BPE pre-tokenizer (GPT-2's, Llama 3's) splits there
+anyway, so the ids equal those of the whole document (tests/test_token_cache.py checks it on
+tinyshakespeare), while a 2 GB file never becomes one 2 GB string.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer
+from data.tokens.corpus import Corpus, Document
+from data.tokens.files import SplitWriter, smallest_dtype
+
+HF_BATCH_CHARS = 1 << 20
+"""Text handed to a Hugging Face tokenizer per batched call: enough to keep every core busy."""
+HF_PIECE_CHARS = 1 << 16
+HF_CARRY_CHARS = 1 << 26
+_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_MAX_CODE_POINT = 0x110000
+
+
+def char_vocabulary(corpus: Corpus) -> CharTokenizer:
+    """Every character of every split, sorted (CharTokenizer.from_text's vocabulary), counted by
+    code point with numpy rather than a Python set, so the pass runs at memory speed."""
+    seen = np.zeros(_MAX_CODE_POINT, dtype=bool)
+    for split in corpus.splits.values():
+        for document in split():
+            for piece in document:
+                seen[_code_points(piece)] = True
+    chars = [chr(code) for code in np.flatnonzero(seen)]
+    if not chars:
+        raise ValueError("data.path: the corpus holds no text to build a char vocabulary from")
+    return CharTokenizer(chars)
+
+
+def write_splits(
+    corpus: Corpus, tokenizer: Tokenizer, staging: Path, announce: Callable[[str], None]
+) -> dict[str, dict[str, int]]:
+    """Tokenize every split into `staging`; returns each split's token and document counts."""
+    dtype = smallest_dtype(tokenizer.vocab_size)
+    encode = _encoder(tokenizer)
+    eos = None if tokenizer.eos_id is None else tokenizer.eos_id
+    cut = isinstance(tokenizer, HFTokenizer)
+    counts = {}
+    started, work_done = time.perf_counter(), 0
+    for split, documents in corpus.splits.items():
+        writer = SplitWriter(staging, split, dtype)
+        with tqdm(
+            total=corpus.work[split],
+            unit=corpus.unit,
+            unit_scale=True,
+            desc=f"tokenizing {split}",
+            file=sys.stderr,
+            disable=None,  # a bar on a terminal; a launch's rank logs get the summary line alone
+        ) as bar:
+            try:
+                for batch in _batches(documents(), cut=cut):
+                    ids, starts = batch.encode(encode, eos, first=writer.tokens == 0 and not writer.documents)
+                    writer.write(ids, starts)
+                    work = batch.documents if corpus.unit == "rows" else batch.chars
+                    bar.update(work)
+                    work_done += work
+                    bar.set_postfix_str(f"{writer.tokens / (time.perf_counter() - started):,.0f} tokens/s", False)
+            except BaseException:
+                writer.abandon()
+                raise
+        counts[split] = writer.finish()
+    seconds = time.perf_counter() - started
+    tokens = sum(count["tokens"] for count in counts.values())
+    read = f"{work_done / 1e6:,.1f} MB of text" if corpus.unit == "B" else f"{work_done:,} rows"
+    rate = f", {work_done / 1e6 / seconds:,.0f} MB/s" if corpus.unit == "B" else ""
+    speed = f"{tokens / seconds:,.0f} tokens/s{rate}"
+    announce(f"data: tokenized {read} into {tokens:,} tokens in {seconds:.1f} s ({speed})")
+    return counts
+
+
+Encode = Callable[[list[str]], list[np.ndarray]]
+
+
+class _Batch:
+    """Consecutive pieces of text, each marked by whether it opens a document."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.opens: list[bool] = []
+        self.chars = 0
+
+    @property
+    def documents(self) -> int:
+        return sum(self.opens)
+
+    def add(self, piece: str, opens: bool) -> None:
+        self.pieces.append(piece)
+        self.opens.append(opens)
+        self.chars += len(piece)
+
+    def encode(self, encode: Encode, eos: int | None, *, first: bool) -> tuple[np.ndarray, list[int]]:
+        """The batch's ids with the end-of-text id before every document but the split's first, and
+        where in them each document's own ids start."""
+        parts, starts, length = [], [], 0
+        for index, ids in enumerate(encode(self.pieces)):
+            if self.opens[index]:
+                if eos is not None and not (first and index == 0):
+                    parts.append(np.array([eos]))
+                    length += 1
+                starts.append(length)
+            parts.append(ids)
+            length += len(ids)
+        return np.concatenate(parts), starts
+
+
+def _batches(documents: Iterator[Document], *, cut: bool) -> Iterator[_Batch]:
+    """Pieces gathered into batches of about HF_BATCH_CHARS; batches may span documents."""
+    batch = _Batch()
+    for document in documents:
+        opens = True
+        for piece in _pieces(document, cut=cut):
+            batch.add(piece, opens)
+            opens = False
+            if batch.chars >= HF_BATCH_CHARS:
+                yield batch
+                batch = _Batch()
+        if opens:  # a document with no text still counts, and still gets its separator
+            batch.add("", True)
+    if batch.pieces:
+        yield batch
+
+
+def _pieces(document: Document, *, cut: bool) -> Iterator[str]:
+    """The document's pieces; for a Hugging Face tokenizer, re-cut at safe boundaries (see the module
+    docstring). Text with no safe boundary in HF_CARRY_CHARS is cut there regardless, to keep memory
+    bounded; only such a document's ids can then differ from a whole-document encode."""
+    if not cut:
+        yield from document
+        return
+    carry = ""
+    for block in document:
+        text = carry + block
+        begin = 0
+        for match in _SAFE_CUT.finditer(text):
+            if match.start() - begin >= HF_PIECE_CHARS:
+                yield text[begin : match.start()]
+                begin = match.start()
+        carry = text[begin:]
+        if len(carry) > HF_CARRY_CHARS:
+            yield carry
+            carry = ""
+    if carry:
+        yield carry
+
+
+def _encoder(tokenizer: Tokenizer) -> Encode:
+    if isinstance(tokenizer, ByteTokenizer):
+        return lambda texts: [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+    if isinstance(tokenizer, CharTokenizer):
+        table = np.full(_MAX_CODE_POINT, -1, dtype=np.int64)
+        table[[ord(char) for char in tokenizer.chars]] = np.arange(tokenizer.vocab_size)
+
+        def encode_chars(texts: list[str]) -> list[np.ndarray]:
+            encoded = [table[_code_points(text)] for text in texts]
+            for text, ids in zip(texts, encoded, strict=True):
+                if len(ids) and ids.min() < 0:
+                    missing = text[int(np.argmin(ids))]
+                    raise ValueError(f"character {missing!r} is not in this char tokenizer's vocabulary")
+            return encoded
+
+        return encode_chars
+    return lambda texts: [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(texts)]
+
+
+def _code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
