@@ -29,3 +29,25 @@ def token_cache(tmp_path_factory):
         os.environ.pop(CACHE_ENV)
     else:
         os.environ[CACHE_ENV] = previous
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A small byte-level BPE tokenizer (GPT-2's pre-tokenizer) trained on the spot, saved as Hugging
+    Face files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+    backend.train_from_iterator([text] * 20, trainer)
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(directory)
+    return directory

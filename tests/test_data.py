@@ -277,26 +277,6 @@ def test_eval_loader_ranks_are_disjoint_when_the_dataset_is_large_enough():
 # --- tokenizers ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer_dir(tmp_path_factory):
-    """A small byte-level BPE tokenizer trained on the spot, saved as Hugging Face files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator([SAMPLE_TEXT] * 20, trainer)
-    directory = tmp_path_factory.mktemp("hf_tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(directory)
-    return directory
-
-
 def test_char_tokenizer_vocab_is_sorted_unique_characters_and_round_trips():
     tokenizer = CharTokenizer.from_text(SAMPLE_TEXT)
     assert tokenizer.vocab_size == len(set(SAMPLE_TEXT))

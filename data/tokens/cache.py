@@ -58,7 +58,7 @@ def prepared_corpus(
     if damage(folder) is None:
         return open_prepared(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder.with_name(folder.name + ".lock"), timeout_s):
+    with _exclusive(folder.with_name(folder.name + ".lock"), timeout_s, announce):
         problem = damage(folder)
         if problem is None:  # another process built it while this one waited
             return open_prepared(folder)
@@ -70,17 +70,21 @@ def prepared_corpus(
 
 
 @contextmanager
-def _exclusive(lock_path: Path, timeout_s: float) -> Iterator[None]:
+def _exclusive(lock_path: Path, timeout_s: float, announce: Callable[[str], None]) -> Iterator[None]:
     with open(lock_path, "a+") as lock:
         deadline = time.monotonic() + timeout_s
+        waited = False
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                if not waited:
+                    announce(f"data: waiting for {holder} to finish tokenizing into {lock_path.with_suffix('')}")
+                    waited = True
                 if time.monotonic() > deadline:
-                    lock.seek(0)
-                    holder = lock.read().strip() or "another process"
                     raise CacheWaitTimeout(
                         f"data.cache_timeout_s: waited {timeout_s:g} s for {holder} to finish tokenizing into "
                         f"{lock_path.with_suffix('')}; raise data.cache_timeout_s, or prepare the corpus before "
