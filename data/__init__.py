@@ -8,6 +8,7 @@ from torch.utils.data import Dataset
 
 from data.corpus import DEFAULT_CORPUS
 from data.image import load_image_datasets
+from data.kinds import DATA_TYPES_BY_FAMILY
 from data.loader import make_eval_loader, make_train_loader
 from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_indices
 from data.synthetic import SyntheticImages, SyntheticTokens
@@ -27,7 +28,6 @@ __all__ = [
     "micro_batch_indices",
 ]
 
-DATA_TYPES_BY_FAMILY = {"gpt": ("text", "synthetic"), "resnet": ("image", "synthetic")}
 SYNTHETIC_VOCAB_SIZE = 256
 SYNTHETIC_NUM_CLASSES = 10
 

@@ -256,3 +256,14 @@ def test_samples_beyond_the_in_memory_limit_are_ordered_by_a_lazy_bijection(monk
     for step in range(150, 200):
         micro = [[next(ranks[r])["input_ids"] for r in range(2)] for _ in range(2)]
         assert torch.equal(torch.cat([micro[k][r] for k in range(2) for r in range(2)]), expected[step])
+
+
+def test_the_char_encoder_refuses_a_character_outside_its_vocabulary_on_both_paths():
+    from data.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer(sorted("abcé"))
+    encoder = encode._encoder(tokenizer)
+    assert [ids.tolist() for ids in encoder(["abc", "éa"])] == [[0, 1, 2], [3, 0]]
+    for text, missing in (("abd", "d"), ("éz", "z")):  # the ASCII table and the code-point table
+        with pytest.raises(ValueError, match=f"character '{missing}' is not in this char tokenizer's vocabulary"):
+            encoder([text])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from data.kinds import DATA_TYPES_BY_FAMILY
 from engine.config.batch import BatchError, solve_batch_triple
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
@@ -281,7 +282,7 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
                 "n_positions",
             )
         vocab = architecture["vocab_size"]
-        if data["type"] == "text" and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
+        if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
             yield ConfigIssue(
                 "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
             )
@@ -303,24 +304,74 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
 
 
-_DATA_FOR_FAMILY = {"gpt": ("text", "synthetic"), "resnet": ("image", "synthetic")}
-
-
 def check_data(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     data, family = document["data"], document["model"]["family"]
-    if data["type"] not in _DATA_FOR_FAMILY[family]:
-        allowed = " or ".join(f'"{kind}"' for kind in _DATA_FOR_FAMILY[family])
+    if data["type"] not in DATA_TYPES_BY_FAMILY[family]:
+        allowed = " or ".join(f'"{kind}"' for kind in DATA_TYPES_BY_FAMILY[family])
         yield ConfigIssue("data.type", f'"{data["type"]}" data cannot train a {family} model; use {allowed}')
-    if data["type"] == "image" and data["path"] is None:
-        yield ConfigIssue("data.path", "image data needs a path (an imagefolder or cifar-10-batches-py directory)")
-    paths = data["path"] if isinstance(data["path"], list) else [data["path"]]
-    for index, path in enumerate(paths):
-        if path is not None and data["type"] != "synthetic" and not os.path.exists(path):
-            where = "data.path" if not isinstance(data["path"], list) else f"data.path[{index}]"
-            yield ConfigIssue(where, f"{path!r} does not exist")
+    if data["type"] in ("image", "tokens") and data["path"] is None:
+        needs = "an imagefolder or cifar-10-batches-py directory" if data["type"] == "image" else "token files"
+        yield ConfigIssue("data.path", f"{data['type']} data needs a path ({needs})")
+    for key in ("path", "validation_path"):
+        paths = data[key] if isinstance(data[key], list) else [data[key]]
+        for index, path in enumerate(paths):
+            if path is not None and data["type"] != "synthetic" and not _exists(path, data["type"]):
+                where = f"data.{key}" if not isinstance(data[key], list) else f"data.{key}[{index}]"
+                yield ConfigIssue(where, f"{path!r} does not exist")
     tokenizer = data["tokenizer"]
-    if data["type"] == "text" and tokenizer not in ("char", "byte") and not os.path.isdir(tokenizer):
+    if data["type"] in ("text", "tokens") and tokenizer not in ("char", "byte") and not os.path.isdir(tokenizer):
         yield ConfigIssue("data.tokenizer", f'{tokenizer!r} is neither "char", "byte" nor a tokenizer directory')
+    yield from _check_blend(data)
+    yield from _check_streaming(data)
+
+
+def _exists(path: str, data_type: str) -> bool:
+    """A Megatron dataset is named by its prefix: `corpus_text_document` stands for its .bin and .idx."""
+    return os.path.exists(path) or (data_type == "tokens" and os.path.exists(path + ".bin"))
+
+
+def _check_blend(data: dict) -> Iterator[ConfigIssue]:
+    weights = data["weights"]
+    if weights is None:
+        return
+    if data["type"] != "tokens":
+        yield ConfigIssue("data.weights", f'blends token files; data.type "{data["type"]}" has none to blend')
+        return
+    paths = data["path"] if isinstance(data["path"], list) else [data["path"]]
+    if len(weights) != len(paths):
+        yield ConfigIssue(
+            "data.weights", f"{len(weights)} weight(s) for {len(paths)} data.path entries; give one weight per entry"
+        )
+    for index, weight in enumerate(weights):
+        if weight <= 0:
+            what = f" ({paths[index]!r})" if index < len(paths) else ""
+            yield ConfigIssue(
+                f"data.weights[{index}]", f"{weight} is not positive; the blend entry{what} needs a weight > 0"
+            )
+
+
+def _check_streaming(data: dict) -> Iterator[ConfigIssue]:
+    if not data["streaming"]:
+        return
+    if data["type"] != "text":
+        yield ConfigIssue("data.streaming", f'streams raw text; data.type "{data["type"]}" is read as it is')
+        return
+    if data["tokenizer"] == "char":
+        yield ConfigIssue(
+            "data.tokenizer",
+            '"char" builds its vocabulary from the whole corpus, which streaming never holds; use "byte" or a '
+            "Hugging Face tokenizer directory",
+        )
+    if data["validation_path"] is None:
+        yield ConfigIssue(
+            "data.validation_path",
+            "streaming needs held-out text to evaluate on (a stream has no end to hold out); name a file or files",
+        )
+    if data["num_workers"]:
+        yield ConfigIssue(
+            "data.num_workers",
+            "streaming reads in the training process, so that each checkpoint records exactly what was read; set 0",
+        )
 
 
 def check_trainer(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
