@@ -1,7 +1,7 @@
 """Datasets and data-parallel loaders built from the `data` section of a run config."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -14,6 +14,8 @@ from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_i
 from data.synthetic import SyntheticImages, SyntheticTokens
 from data.text import load_text_dataset
 from data.tokenizers import Tokenizer, load_saved_tokenizer
+from data.tokens.blend import load_token_datasets
+from data.tokens.external import TokenFile
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -42,6 +44,8 @@ class DataBundle:
     """Text and synthetic tokens: the size the model's embedding must have."""
     num_classes: int | None
     """Images and synthetic images."""
+    token_files: list[TokenFile] = field(default_factory=list)
+    """data.type "tokens": the files read, whose ids the model's vocabulary must cover."""
 
 
 def build_datasets(
@@ -70,6 +74,8 @@ def build_datasets(
 
     if data_type == "text":
         return _text_bundle(data_cfg, seq_len)
+    if data_type == "tokens":
+        return _tokens_bundle(data_cfg, seq_len)
     if data_type == "image":
         return _image_bundle(data_cfg, seed)
     return _synthetic_bundle(data_cfg, family, seed, seq_len, vocab_size, num_classes)
@@ -83,10 +89,30 @@ def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
         text_field=data_cfg["text_field"],
         validation_fraction=data_cfg["validation_fraction"],
         stride=data_cfg.get("stride", seq_len),
-        cache_dir=None if data_cfg.get("cache_dir", "auto") == "auto" else data_cfg["cache_dir"],
+        cache_dir=_cache_dir(data_cfg),
         cache_timeout_s=data_cfg.get("cache_timeout_s", 3600),
     )
     return DataBundle(text.train, text.validation, text.tokenizer, text.tokenizer.vocab_size, None)
+
+
+def _tokens_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
+    tokens = load_token_datasets(
+        data_cfg["path"],
+        weights=data_cfg.get("weights"),
+        validation_paths=data_cfg.get("validation_path"),
+        dtype=data_cfg.get("dtype"),
+        tokenizer=data_cfg["tokenizer"],
+        seq_len=seq_len,
+        stride=data_cfg.get("stride", seq_len),
+        validation_fraction=data_cfg["validation_fraction"],
+        cache_dir=_cache_dir(data_cfg),
+    )
+    return DataBundle(tokens.train, tokens.validation, tokens.tokenizer, tokens.vocab_size, None, tokens.files)
+
+
+def _cache_dir(data_cfg: Mapping[str, Any]) -> str | None:
+    """The configured cache folder; None (the default one) where the section was not resolved."""
+    return None if data_cfg.get("cache_dir", "auto") == "auto" else data_cfg["cache_dir"]
 
 
 def _image_bundle(data_cfg: Mapping[str, Any], seed: int) -> DataBundle:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
+from data.tokens.external import check_ids_below
 from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
 from engine.checkpoints.store import published_tags, resume_target, tag_step
@@ -49,22 +50,46 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
     """Give the model the tokenizer's vocabulary, or refuse a vocabulary that cannot hold it.
 
     A resumed run keeps the vocabulary of the checkpoint (`saved_vocab_size`), which "auto" may
-    have padded for another tensor-parallel degree."""
-    if bundle.vocab_size is None:
-        return config
-    config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
-    if config.model["vocab_size"] < bundle.vocab_size:
+    have padded for another tensor-parallel degree. Token files are checked id by id (their largest
+    id, scanned once and cached): a file another tokenizer wrote can hold ids beyond its own."""
+    configured = config.model.get("vocab_size", "auto")
+    if bundle.vocab_size is None and bundle.token_files and configured == "auto" and saved_vocab_size is None:
         raise ConfigError(
             [
                 ConfigIssue(
                     "model.vocab_size",
-                    f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
-                    f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
+                    '"auto" takes the tokenizer\'s vocabulary, and the token files name none (no meta.pkl or meta.json '
+                    "beside them); set it to the vocabulary of the tokenizer that wrote them, or name that tokenizer "
+                    "in data.tokenizer",
                 )
             ],
             str(config.source),
         )
+    if bundle.vocab_size is not None:
+        config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
+        if config.model["vocab_size"] < bundle.vocab_size:
+            raise ConfigError(
+                [
+                    ConfigIssue(
+                        "model.vocab_size",
+                        f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
+                        f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
+                    )
+                ],
+                str(config.source),
+            )
+    elif saved_vocab_size is not None and configured == "auto":
+        config = config.with_vocab_size(saved_vocab_size)
+    if bundle.token_files:
+        try:
+            check_ids_below(bundle.token_files, config.model["vocab_size"], cache_dir=_cache_dir(config))
+        except ValueError as error:
+            raise RunError(f"data error: {error}") from None
     return config
+
+
+def _cache_dir(config: EngineConfig) -> Path | None:
+    return Path(config.data["cache_dir"]) if config.data.get("cache_dir", "auto") != "auto" else None
 
 
 def check_classes(config: EngineConfig, bundle: DataBundle) -> None:

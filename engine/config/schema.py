@@ -473,12 +473,12 @@ _DATA = _object(
             "in proportion to each file's samples.",
             "default": None,
         },
-        "dtype": _enum(
-            ["auto", "uint8", "uint16", "int32", "uint32", "int64"],
-            'tokens: the integer type of a flat .bin. "auto": what its metadata (this engine\'s meta.json or '
-            "nanoGPT's meta.pkl beside it) says, else uint16 as nanoGPT writes it. A Megatron .idx names its own.",
-            "auto",
-        ),
+        "dtype": {
+            "enum": [None, "uint8", "uint16", "int32", "uint32", "int64"],
+            "description": "tokens: the integer type of a flat .bin. null: what its metadata (this engine's "
+            "meta.json beside it) records, else uint16 as nanoGPT writes it. A Megatron .idx names its own.",
+            "default": None,
+        },
         "validation_path": {
             "anyOf": [
                 {"type": "string"},
