@@ -11,6 +11,7 @@ from data.image import load_image_datasets
 from data.kinds import DATA_TYPES_BY_FAMILY
 from data.loader import make_eval_loader, make_train_loader
 from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_indices
+from data.streaming import StreamedCorpus
 from data.synthetic import SyntheticImages, SyntheticTokens
 from data.text import load_text_dataset
 from data.tokenizers import Tokenizer, load_saved_tokenizer
@@ -72,6 +73,8 @@ def build_datasets(
     if family == "gpt" and seq_len is None:
         raise ValueError("a gpt model needs seq_len to cut token samples")
 
+    if data_type == "text" and data_cfg.get("streaming"):
+        return _streaming_bundle(data_cfg, seq_len)
     if data_type == "text":
         return _text_bundle(data_cfg, seq_len)
     if data_type == "tokens":
@@ -93,6 +96,22 @@ def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
         cache_timeout_s=data_cfg.get("cache_timeout_s", 3600),
     )
     return DataBundle(text.train, text.validation, text.tokenizer, text.tokenizer.vocab_size, None)
+
+
+def _streaming_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
+    """Training text streamed (data/streaming.py); the held-out text, which an evaluation reads again
+    and again, prepared into the token cache like any corpus."""
+    validation = load_text_dataset(
+        data_cfg["validation_path"],
+        seq_len=seq_len,
+        tokenizer=data_cfg["tokenizer"],
+        text_field=data_cfg["text_field"],
+        cache_dir=_cache_dir(data_cfg),
+        cache_timeout_s=data_cfg.get("cache_timeout_s", 3600),
+        held_out_only=True,
+    )
+    train = StreamedCorpus(data_cfg["path"], data_cfg["text_field"], validation.tokenizer, seq_len)
+    return DataBundle(train, validation.validation, validation.tokenizer, validation.tokenizer.vocab_size, None)
 
 
 def _tokens_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:

@@ -76,6 +76,7 @@ def load_text_dataset(
     stride: int | None = None,
     cache_dir: str | Path | None = None,
     cache_timeout_s: float = 3600,
+    held_out_only: bool = False,
 ) -> TextDatasets:
     """Tokenize a local corpus once into the token cache (or find it there) and cut its windows;
     `path=None` means the embedded default corpus, `cache_dir=None` the default cache.
@@ -84,7 +85,8 @@ def load_text_dataset(
     tokens for training and the rest for validation, as nanoGPT does: a contiguous tail
     rather than random samples, so no validation text also sits inside a training sample.
     `stride` spaces the training samples (see PackedTokens); validation is always cut at stride
-    `seq_len`, so each validation token after the first is scored once.
+    `seq_len`, so each validation token after the first is scored once. `held_out_only` makes the
+    whole corpus (its validation split, where it has one) the validation set, and `train` empty.
     """
     paths = text_paths(path)
     prepared, text_tokenizer = prepare_text(
@@ -94,7 +96,10 @@ def load_text_dataset(
         cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
         timeout_s=cache_timeout_s,
     )
-    if "validation" in prepared.splits:
+    if held_out_only:
+        validation_tokens = prepared.tokens(prepared.splits[-1])
+        train_tokens = validation_tokens[:0]
+    elif "validation" in prepared.splits:
         train_tokens, validation_tokens = prepared.tokens("train"), prepared.tokens("validation")
     else:
         stream = prepared.tokens("train")
@@ -102,7 +107,7 @@ def load_text_dataset(
         train_tokens, validation_tokens = stream[:split], stream[split:]
 
     train, validation = PackedTokens(train_tokens, seq_len, stride), PackedTokens(validation_tokens, seq_len)
-    if len(train) == 0 or len(validation) == 0:
+    if (len(train) == 0 and not held_out_only) or len(validation) == 0:
         source = ", ".join(str(p) for p in paths)
         raise ValueError(
             f"{source} is too small: {len(train_tokens)} training and {len(validation_tokens)} validation "

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
+from data.streaming import StreamedCorpus
 from data.tokens.external import check_ids_below
 from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
@@ -40,7 +41,8 @@ def load_data(config: EngineConfig) -> DataBundle:
             num_classes=config.model.get("num_classes"),
         )
         # The sampler's own check, here rather than in the first step, after every process group.
-        batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
+        if not isinstance(bundle.train, StreamedCorpus):
+            batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
     except (ValueError, FileNotFoundError) as error:
         raise RunError(f"data error: {error}") from None
     return bundle
@@ -176,6 +178,7 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
     vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
     tokenizer = bundle.tokenizer.fingerprint if bundle.tokenizer is not None else None
+    streamed = isinstance(bundle.train, StreamedCorpus)
     return layout_record(
         config.trainer["backend"],
         layout.data,
@@ -186,5 +189,6 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
         groups,
         tokenizer,
         config.document["train_batch_size"],
-        len(bundle.train),
+        None if streamed else len(bundle.train),
+        streamed,
     )

@@ -15,11 +15,13 @@ import numpy as np
 import torch
 
 from data import DataBundle, make_eval_loader, make_train_loader
+from data.streaming import StreamedCorpus, stream_micro_batches
 from engine.backends import Backend, PipelineBackend, build_backend
 from engine.checkpoints.from_torch import universal_from_torch, universal_from_zero0
 from engine.checkpoints.layout import describe
 from engine.checkpoints.store import (
     checkpoint_root,
+    load_data_position,
     load_rank_buffers,
     load_rng_state,
     save_checkpoint,
@@ -174,17 +176,23 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
             load_rank_buffers(tag_dir, env_rank(), backend.local_buffers())
 
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
-    batches = make_train_loader(
-        bundle.train,
-        micro_batch_size=micro_batch,
-        grad_accum=config.document["gradient_accumulation_steps"],
-        dp_rank=dp_rank,
-        dp_size=config.dp_size,
-        seed=trainer["seed"],
-        start_step=start_step,
-        num_workers=config.data["num_workers"],
-        pin_memory=config.data["pin_memory"],
-    )
+    stream = bundle.train.windows(dp_rank, config.dp_size) if isinstance(bundle.train, StreamedCorpus) else None
+    if stream is not None:
+        if tag_dir is not None:
+            stream.load_state_dict(load_data_position(tag_dir, env_rank()))
+        batches = stream_micro_batches(stream, micro_batch)
+    else:
+        batches = make_train_loader(
+            bundle.train,
+            micro_batch_size=micro_batch,
+            grad_accum=config.document["gradient_accumulation_steps"],
+            dp_rank=dp_rank,
+            dp_size=config.dp_size,
+            seed=trainer["seed"],
+            start_step=start_step,
+            num_workers=config.data["num_workers"],
+            pin_memory=config.data["pin_memory"],
+        )
 
     def eval_batches():
         return make_eval_loader(
@@ -235,6 +243,7 @@ def train_run(prepared: Prepared, device: torch.device, between_steps: Callable[
             layout=prepared.layout,
             buffers=backend.local_buffers(),
             before_publish=lambda: inject(prepared.fault, env_rank(), "save", step),
+            data_position=stream.state_dict() if stream is not None else None,
         )
 
     def after_step(step: int) -> None:

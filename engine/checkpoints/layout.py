@@ -38,11 +38,13 @@ def layout_record(
     optimizer_groups: int,
     tokenizer: str | None,
     train_batch_size: int,
-    train_samples: int,
+    train_samples: int | None,
+    streamed: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint must know about the run that saved it to be resumed elsewhere.
     `tokenizer` is the tokenizer's fingerprint (text runs only); `train_samples` the size of the
-    training set the data order was drawn over."""
+    training set the data order was drawn over (None for a streamed corpus, read in its own order
+    by each data-parallel rank, `streamed`)."""
     return {
         "backend": backend,
         "data": data,
@@ -54,6 +56,7 @@ def layout_record(
         "tokenizer": tokenizer,
         "train_batch_size": train_batch_size,
         "train_samples": train_samples,
+        "streamed": streamed,
     }
 
 
@@ -117,6 +120,21 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"data.tokenizer: checkpoint {tag_dir} was trained on another tokenizer's ids ({saved['tokenizer']}, "
             f"this run {current['tokenizer']}): a char tokenizer numbers the characters of data.path, so a corpus "
             "with other characters gives each id another one. Resume with the data and tokenizer it was trained on"
+        )
+    # Each data-parallel rank reads its own share of a stream from its own saved position; another number
+    # of ranks would split the stream otherwise, and an indexed corpus has no position to carry over.
+    streamed = saved.get("streamed", False)
+    if streamed != current["streamed"]:
+        raise ReshapeError(
+            f"data.streaming: checkpoint {tag_dir} was trained with data.streaming {str(streamed).lower()} and "
+            f"this run has {str(current['streamed']).lower()}; a stream's position and an indexed corpus's order "
+            f"do not carry over to each other. Resume with data.streaming {str(streamed).lower()}"
+        )
+    if streamed and saved["data"] != current["data"]:
+        raise ReshapeError(
+            f"data.streaming: checkpoint {tag_dir} was saved by {saved['data']} data-parallel ranks, each with its "
+            f"own position in the stream, and this run has {current['data']}; resume on {saved['data']} "
+            "data-parallel ranks (the world size divided by the pipeline and tensor-parallel sizes)"
         )
     # The data order and the LR schedule count steps: on another global batch, step N would read
     # samples the checkpoint has trained on, or skip some. Checkpoints from before it was recorded say nothing.

@@ -117,12 +117,14 @@ def save_checkpoint(
     layout: dict[str, Any],
     buffers: Mapping[str, torch.Tensor],
     before_publish: Callable[[], None] = lambda: None,
+    data_position: Mapping[str, Any] | None = None,
 ) -> str:
     """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
 
     `layout` (engine.checkpoints.layout.layout_record) is kept with the checkpoint, so a resume on another
-    layout knows what it is converting from. `before_publish` runs on every rank once its own
-    files are written (the fault-injection point for a crash mid-save). Returns the published tag."""
+    layout knows what it is converting from. `data_position` is this rank's place in a streamed
+    corpus, if it reads one. `before_publish` runs on every rank once its own files are written (the
+    fault-injection point for a crash mid-save). Returns the published tag."""
     tag = step_tag(step)
     staging = tag + PARTIAL
     if env_rank() == 0:
@@ -136,6 +138,8 @@ def save_checkpoint(
     write(root, staging)
     save_rng_state(root / staging, env_rank())
     save_rank_buffers(root / staging, env_rank(), buffers)
+    if data_position is not None:
+        save_data_position(root / staging, env_rank(), data_position)
     if env_rank() == 0:
         write_layout(root / staging, layout)
     before_publish()
@@ -267,3 +271,26 @@ def load_rank_buffers(directory: Path, rank: int, buffers: Mapping[str, torch.Te
         for name, tensor in buffers.items():
             tensor.copy_(saved[name])
     return True
+
+
+def _data_position_path(directory: Path, rank: int) -> Path:
+    return directory / "data" / f"rank{rank}.pt"
+
+
+def save_data_position(directory: Path, rank: int, position: Mapping[str, Any]) -> None:
+    """This rank's place in a streamed corpus (data/streaming.py): a stream has no index to recompute
+    from the step, so a resume that did not restore it would read from the start again."""
+    path = _data_position_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(dict(position), path)
+
+
+def load_data_position(directory: Path, rank: int) -> dict[str, Any]:
+    """This rank's saved place in the stream; FileNotFoundError naming the checkpoint where there is none."""
+    path = _data_position_path(directory, rank)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trainer.resume: checkpoint {directory} holds no stream position for rank {rank}: it was not saved by "
+            "a run streaming this data (data.streaming)"
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)

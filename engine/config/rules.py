@@ -315,7 +315,8 @@ def check_data(document: dict, world_size: int, hardware: Hardware | None) -> It
     for key in ("path", "validation_path"):
         paths = data[key] if isinstance(data[key], list) else [data[key]]
         for index, path in enumerate(paths):
-            if path is not None and data["type"] != "synthetic" and not _exists(path, data["type"]):
+            streamed = key == "path" and data["streaming"]
+            if path is not None and data["type"] != "synthetic" and not _exists(path, data["type"], streamed):
                 where = f"data.{key}" if not isinstance(data[key], list) else f"data.{key}[{index}]"
                 yield ConfigIssue(where, f"{path!r} does not exist")
     tokenizer = data["tokenizer"]
@@ -325,9 +326,16 @@ def check_data(document: dict, world_size: int, hardware: Hardware | None) -> It
     yield from _check_streaming(data)
 
 
-def _exists(path: str, data_type: str) -> bool:
-    """A Megatron dataset is named by its prefix: `corpus_text_document` stands for its .bin and .idx."""
-    return os.path.exists(path) or (data_type == "tokens" and os.path.exists(path + ".bin"))
+def _exists(path: str, data_type: str, streamed: bool) -> bool:
+    """A Megatron dataset is named by its prefix (`corpus_text_document` stands for its .bin and .idx);
+    a streamed corpus may be a Hugging Face Hub dataset id."""
+    if os.path.exists(path) or (data_type == "tokens" and os.path.exists(path + ".bin")):
+        return True
+    if streamed:
+        from data.streaming import is_hub_id
+
+        return is_hub_id(path)
+    return False
 
 
 def _check_blend(data: dict) -> Iterator[ConfigIssue]:
