@@ -70,7 +70,7 @@ def _validate(args: argparse.Namespace) -> int:
             hardware=hardware,
             check_hardware=not args.no_hardware_check,
         )
-        config = check_data(config)
+        config, _ = check_data(config)
     except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
         return 2
@@ -112,7 +112,7 @@ def _accelerate_config(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """`plan` and `explain`: the per-rank table (or the rank-by-rank story) of a config, without
     starting anything; exit 1 when it does not fit the memory given, 2 on bad input."""
-    from engine.plan import explain, parse_bytes, plan_run, suggest, table, verdict
+    from engine.plan import data_sizes, explain, parse_bytes, plan_run, suggest, table, verdict
     from engine.plan.report import describe_candidate
 
     try:
@@ -129,20 +129,25 @@ def _plan(args: argparse.Namespace) -> int:
         )
 
     try:
-        config = check_data(load([]))
-        plan = plan_run(config)
+        config, bundle = check_data(load([]))
+        data = data_sizes(bundle)
+        plan = plan_run(config, hardware, data)
     except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
         return 2
     if args.command == "explain":
         print(explain(plan))
         return 0
+    try:
+        fits, text = verdict(plan, device_memory, host_memory)
+    except ValueError as error:
+        print(f"plan: {error}", file=sys.stderr)
+        return 2
     print(table(plan))
-    fits, text = verdict(plan, device_memory, host_memory)
     if text:
         print(text)
     if args.suggest:
-        candidates = suggest(config, load, device_memory, host_memory)
+        candidates = suggest(config, load, device_memory, host_memory, hardware, data)
         print(f"{len(candidates)} layout(s) fit, cheapest communication first:")
         for candidate in candidates:
             print("  " + describe_candidate(candidate))
@@ -247,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("config")
     plan.add_argument("--world-size", type=_positive, default=1, help="number of processes the run will have")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: print whether the busiest rank fits")
-    plan.add_argument("--host-memory", help="host memory for offloaded states of all ranks, e.g. 512GiB")
+    plan.add_argument(
+        "--host-memory",
+        help="memory of one node's host, e.g. 512GiB: offloaded states and data of its ranks (everything, without "
+        "an accelerator)",
+    )
     plan.add_argument("--suggest", action="store_true", help="list the layouts that fit, cheapest communication first")
     _add_overrides(plan)
 

@@ -111,14 +111,15 @@ def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
     )
 
 
-def check_data(config: EngineConfig) -> EngineConfig:
+def check_data(config: EngineConfig) -> tuple[EngineConfig, DataBundle]:
     """What `prepare` checks of the data, for `validate` and `plan` to check it as a launch would:
     the files load and fill one global batch, and the model's vocabulary and classes hold the
-    data's. The config comes back with its vocabulary settled."""
+    data's. The config comes back with its vocabulary settled, beside the data (whose memory `plan`
+    counts)."""
     bundle = load_data(config)
     config = settle_vocabulary(config, bundle)
     check_classes(config, bundle)
-    return config
+    return config, bundle
 
 
 @dataclass(frozen=True)

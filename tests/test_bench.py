@@ -13,11 +13,13 @@ import torch
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import gpu, memory, nanogpt, optimizer_step, shakespeare, throughput
+from bench import data, gpu, memory, nanogpt, optimizer_step, shakespeare, throughput
 from bench.results import Goal, Panel, Result, Unavailable, compare
+from bench.settings import Settings
 from bench.trials import Pair, Side, paired_trial, run_overrides
 from engine.config import load_config
 from engine.hardware import detect_hardware
+from engine.prepare import check_data
 
 RUN = run_overrides(steps=300, log_interval=25, eval_batches=1, threads=1)  # python -m bench's defaults
 MEMORY_RUN = run_overrides(memory.STEPS, 1, eval_batches=1, threads=1)
@@ -196,3 +198,69 @@ def test_nanogpt_reference_is_the_baby_gpt_and_learns() -> None:
         {**recipe, "scheduler": {"params": {"warmup_num_steps": 5, "cos_min_ratio": 0.1}}}, text, 40, 0, 10
     )
     assert result["eval_loss"] < 0.5 * math.log(vocabulary)
+
+
+@pytest.mark.parametrize("ranks", data.RANKS)
+def test_data_benchmark_launches_validate(tmp_path: Path, ranks: int) -> None:
+    """The data benchmark's launch on a corpus it makes, checked as launch.sh's `validate` checks it
+    (the corpus is tokenized and fills a batch): its configs need a real file, so they are not in
+    LAUNCHED."""
+    corpus = data.make_corpus(0.2, tmp_path / "corpus.txt")
+    assert corpus.stat().st_size == 200_000
+    sets = data.launch_sets(corpus, tmp_path / "cache", threads=1)
+    config = load_config(data.CONFIG, sets, world_size=ranks, hardware=detect_hardware(local_world_size=ranks))
+    assert check_data(config)[0].data["tokenizer"] == "byte"
+
+
+@pytest.mark.parametrize(
+    "value, sizes",
+    [(None, data.SIZES_MB), ("3,0.5", (0.5, 3.0)), ("1", None), ("1,1", None), ("0,1", None), ("1,two", None)],
+)
+def test_data_benchmark_sizes_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, sizes: tuple[float, ...] | None
+) -> None:
+    """Two sizes at least: the launch and memory rows compare each corpus with the smallest."""
+    if value is None:
+        monkeypatch.delenv(data.SIZES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(data.SIZES_ENV, value)
+    if sizes is None:
+        with pytest.raises(RuntimeError, match=data.SIZES_ENV):
+            data.sizes_mb()
+    else:
+        assert data.sizes_mb() == sizes
+
+
+@pytest.mark.launch
+def test_data_benchmark_runs_end_to_end_at_tiny_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole data benchmark on corpora of 200 and 400 KB, 1 rank, one round, without the warm-up
+    launch (the suite's earlier launches built DeepSpeed's op): every part runs and the result has
+    its rows, goals and panels. No figure is asserted beyond being measured."""
+    monkeypatch.setattr(data, "RUN_DIR", tmp_path / "runs")
+    settings = Settings(rounds=1, steps=2, log_interval=1, quality_steps=1, quality_rounds=1, threads=1)
+    result = data.measure(settings, (0.2, 0.4), ranks=(1,), warm_up=False)
+    assert result.failures == {}
+    versus = "1 rank, 0.4 MB vs 0.2 MB"
+    prepared = [
+        (f"{name}, {size} MB: prepare {quantity} vs {baseline}", goal)
+        for size in ("0.4", "0.2")
+        for name, baseline, quantities in (
+            ("byte", "bare read", [("MB/s", "engine >= 100"), ("tokens/s", "")]),
+            ("char", "bare read", [("MB/s", "engine >= 100"), ("tokens/s", "")]),
+            ("BPE", "encode_batch_fast alone", [("seconds", "ratio <= 1.2"), ("MB/s", ""), ("tokens/s", "")]),
+        )
+        for quantity, goal in quantities
+    ]
+    assert [(row.quantity, row.goal) for row in result.rows] == [
+        (f"{versus}: rank 0 peak RSS, MiB", "ratio <= 1.1"),
+        (f"{versus}: cached launch to step 1, s", "ratio <= 1.2"),
+        (f"{versus}: first launch to step 1, s", ""),
+        (f"1 rank, 0.4 MB: steps trained of {data.STEPS}", "ratio >= 1"),
+        *prepared,
+    ]
+    assert result.rows[3].engine == data.STEPS and result.rows[3].met
+    assert all(row.baseline > 0 and row.engine > 0 for row in result.rows)
+    assert result.rows[0].baseline > 50  # MiB: a process that imported torch, not a reading of the wrong process
+    assert [panel.title for panel in result.panels] == ["data: peak RSS per rank", "data: launch to step 1"]
+    assert result.panels[0].series == {"1 rank: rank 0": ([0.2, 0.4], [result.rows[0].baseline, result.rows[0].engine])}
+    assert (tmp_path / "runs" / "1-rank-0.4-MB-cached-launch-round-1" / "metrics.jsonl").is_file()

@@ -3,18 +3,30 @@ architecture (not copied from the planner), verdicts, explain and suggest, and b
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
 import subprocess
 import sys
 import types
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import partition_balanced
+from PIL import Image
 
+from data import DataBundle
+from data.streaming import StreamedCorpus
+from data.text import PackedTokens
+from data.tokenizers import ByteTokenizer
 from engine.config import load_config
-from engine.hardware import detect_hardware
-from engine.plan import parse_bytes, plan_run
+from engine.hardware import Hardware, detect_hardware
+from engine.plan import DataSizes, data_sizes, format_bytes, parse_bytes, plan_run, verdict
+from engine.plan.data import data_memory
+from engine.prepare import load_data
 from models import get_family
 from tests.support.launch import ROOT
 
@@ -46,10 +58,18 @@ def plan_of(config: str, world_size: int, overrides: list[str]):
     return plan_run(document)
 
 
+def machine(device_type: str, ranks_per_node: int) -> Hardware:
+    """A node to plan for, whatever this one is: a GPU node's ranks have a device each, a CPU node's
+    only the host."""
+    return Hardware(device_type, True, True, cpu_count=16, local_world_size=ranks_per_node)
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """The command checks the data as a launch would; synthetic data fills any batch."""
+    """The command checks the data as a launch would; synthetic data fills any batch. CUDA hidden, so
+    the plan is of a CPU machine wherever the test runs."""
     command = [sys.executable, "-m", "engine", *args, "--set=data.type=synthetic"]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment)
 
 
 def test_gpt2_zero3_offload_on_8_ranks_holds_an_eighth_of_each_parameter():
@@ -121,15 +141,13 @@ def test_fsdp_allocates_padded_row_pieces_and_the_last_rank_holds_fewer_rows():
         assert rank.states.offloaded == rank.states.total  # CPUOffloadPolicy: everything lives on the host
 
 
-def test_cli_plan_fits_80gib_and_says_so():
+def test_cli_plan_fits_512gib_of_host_and_says_so():
     result = run_cli(
         "plan",
         GPT2,
         f"--set=model.vocab_size={VOCAB}",
         "--world-size",
         "8",
-        "--device-memory",
-        "80GiB",
         "--host-memory",
         "512GiB",
         "--set",
@@ -138,13 +156,20 @@ def test_cli_plan_fits_80gib_and_says_so():
         "zero_optimization.offload_optimizer.device=cpu",
     )
     assert result.returncode == 0, result.stderr
-    assert "device:" in result.stdout and "fits" in result.stdout and "does not fit" not in result.stdout
+    assert "no accelerator here" in result.stdout and "data:" in result.stdout
+    assert "host:" in result.stdout and "fits" in result.stdout and "does not fit" not in result.stdout
 
 
 def test_cli_plan_reports_by_how_much_it_does_not_fit():
-    result = run_cli("plan", GPT2, "--world-size", "2", "--device-memory", "1GiB")
+    result = run_cli("plan", GPT2, "--world-size", "2", "--host-memory", "1GiB")
     assert result.returncode == 1
     assert "does not fit" in result.stdout and "over" in result.stdout
+
+
+def test_cli_plan_refuses_a_device_budget_where_there_is_no_device():
+    result = run_cli("plan", "configs/tiny_gpt.json", "--device-memory", "80GiB")
+    assert result.returncode == 2
+    assert "no accelerator" in result.stderr and "--host-memory" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -171,15 +196,15 @@ def test_suggest_lists_only_layouts_that_fit_cheapest_first():
     from engine.plan import suggest
     from engine.plan.report import verdict
 
-    hardware = detect_hardware(local_world_size=2)
+    hardware, gpu = detect_hardware(local_world_size=2), machine("cuda", 2)
 
     def load(extra: list[str]):
         return load_config("configs/tiny_gpt.json", extra, world_size=2, hardware=hardware)
 
     config = load([])
-    zero2 = plan_run(load(["zero_optimization.stage=2"]))
+    zero2 = plan_run(load(["zero_optimization.stage=2"]), gpu)
     limit = zero2.device_peak  # ZeRO-0 holds more, so it must be left out
-    candidates = suggest(config, load, limit, None)
+    candidates = suggest(config, load, limit, None, gpu)
     assert candidates
     assert all(verdict(candidate.plan, limit, None)[0] for candidate in candidates)
     volumes = [candidate.plan.communication for candidate in candidates]
@@ -223,3 +248,178 @@ def test_resnet_stages_send_the_feature_map_at_their_cut():
     assert config.data["image_size"] == 64 and config.document["gradient_accumulation_steps"] == 1
     assert [rank.layers for rank in plan.ranks] == ["layers 0-4", "layers 5-9"]
     assert [rank.communication.pipeline for rank in plan.ranks] == [micro * 128 * 8 * 8 * fp32] * 2
+
+
+# --- the data's memory ---------------------------------------------------------------------------
+
+
+def token_file(path: Path, tokens: int, dtype: type = np.uint8) -> np.memmap:
+    """A flat token file as the token cache and nanoGPT write it, memory-mapped."""
+    array = np.memmap(path, dtype=dtype, mode="w+", shape=(tokens,))
+    array[:] = np.arange(tokens) % 200
+    array.flush()
+    return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+
+
+def test_a_text_corpus_is_mapped_once_per_node_and_ordered_by_every_rank(tmp_path, hf_tokenizer_dir):
+    """A 300-id vocabulary is stored as uint16, so the page cache of a node holds 2 bytes per token
+    of the corpus, once for its ranks; each rank keeps an int64 per training sample for the epoch's
+    order, and each of its DataLoader workers two micro-batches of int64 ids and labels."""
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 100
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    sets = [f"data.path={corpus}", f"data.tokenizer={hf_tokenizer_dir}", "data.num_workers=3"]
+    config = load_config("configs/tiny_gpt.json", sets, world_size=4, hardware=detect_hardware(local_world_size=4))
+    bundle = load_data(config)
+    assert bundle.tokenizer.vocab_size == 300
+    tokens = len(bundle.tokenizer.encode(text))  # one document: no end-of-text id
+    seq_len, micro = config.data["seq_len"], config.document["train_micro_batch_size_per_gpu"]
+    samples = (int(tokens * 0.9) - seq_len - 1) // seq_len + 1  # windows of seq_len + 1 tokens, seq_len apart
+
+    plan = plan_run(config, machine("cuda", 2), data_sizes(bundle))
+    assert (plan.data.shared, plan.data.order, plan.data.blend, plan.data.loaded) == (2 * tokens, 8 * samples, 0, 0)
+    assert plan.data.workers == 3 * 2 * micro * (2 * 8 * seq_len)
+    assert plan.data.private == 8 * samples + 3 * 2 * micro * 2 * 8 * seq_len
+    # Four ranks, two per node, nothing offloaded at ZeRO-0: two ranks' private data and the file once.
+    assert plan.host_total == 2 * plan.data.private + 2 * tokens
+
+
+@pytest.mark.parametrize("samples", [2**20, 2**20 + 1])
+def test_the_sample_order_is_held_up_to_2_20_samples_and_computed_beyond(tmp_path, samples: int):
+    """At stride 1 a sample starts at every token but the last seq_len: a 1 MiB uint8 file makes 2**20
+    samples, whose randperm is 8 MiB per rank; one token more and the order is computed on the fly."""
+    seq_len = 4
+    train = PackedTokens(token_file(tmp_path / "train.bin", samples + seq_len), seq_len, stride=1)
+    validation = PackedTokens(np.arange(100, dtype=np.int64), seq_len)  # an array in memory, not a map
+    bundle = DataBundle(train, validation, None, 256, None)
+    sizes = data_sizes(bundle)
+    memory = data_memory(sizes, micro_batch=4, num_workers=0)
+    assert sizes.samples == samples
+    assert memory.order == (8 * samples if samples <= 2**20 else 0)
+    assert (memory.shared, memory.loaded) == (samples + seq_len, 8 * 100)
+    assert memory.private == memory.order + 8 * 100
+
+
+def test_a_blend_of_token_files_maps_each_and_indexes_every_blended_sample(tmp_path):
+    """Two flat uint16 token files blended 3:1: the node's page cache holds both files whole, and every
+    rank Megatron's two blending indices, an int16 source and an int64 sample per blended sample, for
+    the training and the validation set, each a blend of the files' heads and tails."""
+    seq_len, lengths = 8, (1001, 2001)
+    paths = [tmp_path / f"{length}.bin" for length in lengths]
+    for path, length in zip(paths, lengths, strict=True):
+        token_file(path, length, np.uint16)
+    sets = [
+        "data.type=tokens",
+        f"data.path={json.dumps([str(path) for path in paths])}",
+        "data.weights=[3, 1]",
+        "data.dtype=uint16",
+        f"data.seq_len={seq_len}",
+        "model.vocab_size=256",
+    ]
+    config = load_config("configs/tiny_gpt.json", sets, world_size=1, hardware=detect_hardware(local_world_size=1))
+    sizes = data_sizes(load_data(config))
+    cuts = [int(length * 0.9) for length in lengths]  # the default validation_fraction 0.1 of each file's tail
+    train = sum((cut - seq_len - 1) // seq_len + 1 for cut in cuts)
+    validation = sum((length - cut - seq_len - 1) // seq_len + 1 for length, cut in zip(lengths, cuts, strict=True))
+    assert sizes.samples == train and sizes.mapped == 2 * sum(lengths)
+    assert sizes.blend_index == (2 + 8) * (train + validation)
+    memory = data_memory(sizes, micro_batch=2, num_workers=0)
+    assert memory.private == 8 * train + 10 * (train + validation)
+
+
+def test_a_streamed_corpus_has_no_order_and_no_workers_only_its_mapped_validation(tmp_path):
+    """Streamed training text has no length to shuffle and is read in the training process; its held-out
+    text is a prepared token file, mapped like any corpus."""
+    validation = PackedTokens(token_file(tmp_path / "validation.bin", 500), 8)
+    tokenizer = ByteTokenizer()
+    bundle = DataBundle(StreamedCorpus("corpus.txt", "text", tokenizer, 8), validation, tokenizer, 256, None)
+    memory = data_memory(data_sizes(bundle), micro_batch=4, num_workers=2)
+    assert (memory.order, memory.workers, memory.private, memory.shared) == (0, 0, 0, 500)
+
+
+def write_cifar(directory: Path, per_batch: int) -> Path:
+    """A CIFAR-10 python directory: five training batches and a test batch of `per_batch` images."""
+    directory.mkdir(parents=True)
+    names = [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]
+    for name in names:
+        pixels = np.random.default_rng(0).integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        batch = {b"data": pixels, b"labels": [i % 10 for i in range(per_batch)]}
+        (directory / name).write_bytes(pickle.dumps(batch))
+    return directory
+
+
+def test_cifar_is_read_whole_into_every_rank(tmp_path):
+    """CIFAR-10's pickles are decoded into one uint8 tensor per split and int64 labels, in each rank's
+    own memory; a sample is float32 pixels at the configured size and an int64 label."""
+    cifar = write_cifar(tmp_path / "cifar-10-batches-py", per_batch=3)
+    sets = ["data.type=image", f"data.path={cifar}", "data.image_size=40", "data.num_workers=1"]
+    config = load_config(RESNET, sets, world_size=1, hardware=detect_hardware(local_world_size=1))
+    sizes = data_sizes(load_data(config))
+    images = 6 * 3  # five training batches and the test batch
+    assert (sizes.samples, sizes.loaded, sizes.mapped) == (15, images * (3 * 32 * 32 + 8), 0)
+    assert sizes.sample_bytes == 4 * 3 * 40 * 40 + 8
+    plan = plan_run(config, machine("cuda", 1), sizes)
+    micro = config.document["train_micro_batch_size_per_gpu"]
+    assert plan.data.private == 8 * 15 + images * (3 * 32 * 32 + 8) + 2 * micro * sizes.sample_bytes
+
+
+def test_an_imagefolder_is_read_through_the_page_cache(tmp_path):
+    """An imagefolder is decoded one file at a time: its files' bytes are the node's page cache, and
+    each rank holds only the table of their paths and labels."""
+    files = []
+    for label in ("cat", "dog"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for index in range(4):
+            pixels = np.random.default_rng(index).integers(0, 256, size=(24, 24, 3), dtype=np.uint8)
+            path = tmp_path / "images" / label / f"{index}.png"
+            Image.fromarray(pixels).save(path)
+            files.append(path)
+    sets = ["data.type=image", f"data.path={tmp_path / 'images'}", "data.validation_fraction=0.25"]
+    config = load_config(RESNET, sets, world_size=1, hardware=detect_hardware(local_world_size=1))
+    sizes = data_sizes(load_data(config))
+    assert sizes.samples == 6 and sizes.mapped == sum(path.stat().st_size for path in files)
+    assert 0 < sizes.loaded < sum(len(str(path)) + 64 for path in files)  # paths and labels, no pixels
+
+
+# --- one pool without an accelerator -------------------------------------------------------------
+
+
+def test_without_an_accelerator_a_rank_holds_everything_in_host_memory():
+    """GPT-2 124M under ZeRO-3 with optimizer and parameter offload on one rank. The split verdict
+    weighed only the offloaded states against the host, 20 bytes per partitioned element, and they
+    fit; on a CPU the parameters, the device gradients and the activations are host memory too."""
+    overrides = [
+        "zero_optimization.stage=3",
+        "zero_optimization.offload_optimizer.device=cpu",
+        "zero_optimization.offload_param.device=cpu",
+        "bf16.enabled=false",
+        "fp16.enabled=false",
+    ]
+    config = load_config(GPT2, [*NO_DATA, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
+    seq_len, micro = config.data["seq_len"], config.document["train_micro_batch_size_per_gpu"]
+    sizes = DataSizes(samples=5000, sample_bytes=2 * 8 * seq_len, loaded=0, mapped=3 * 2**30, blend_index=0)
+    numels = gpt2_parameter_numels()  # one rank: each parameter whole
+    persistent = sum(numel for numel in numels if numel <= 10 * HIDDEN)
+    offloaded = 4 * sum(numels) + 4 * sum(numels) + 3 * 4 * sum(numels)  # fp32 parameters, host gradients, Adam
+    states = offloaded + 4 * persistent + 4 * sum(numels)  # and persistent parameters, device gradients
+    # Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) per layer at 2 bytes, doubled for fp32, and fp32 logits
+    # with their gradient.
+    layer = seq_len * micro * HIDDEN * (34 + 5 * 12 * seq_len // HIDDEN) * 2
+    activations = LAYERS * layer + 2 * 4 * seq_len * micro * VOCAB
+    private = 8 * 5000
+
+    cpu = plan_run(config, machine("cpu", 1), sizes)
+    assert (cpu.ranks[0].states.total, cpu.ranks[0].activations) == (states, activations)
+    assert cpu.host_total == states + activations + private + 3 * 2**30
+    host_memory = offloaded + private + 3 * 2**30 + 2**30  # the offloaded states fit it with 1 GiB to spare
+    fits, text = verdict(cpu, None, host_memory)
+    assert not fits and "one pool" in text
+    assert f"{format_bytes(cpu.host_total)}" in text and f"{format_bytes(cpu.host_total - host_memory)} over" in text
+    with pytest.raises(ValueError, match="no accelerator"):
+        verdict(cpu, 80 * 2**30, host_memory)
+
+    gpu = plan_run(config, machine("cuda", 1), sizes)
+    assert gpu.host_total == offloaded + private + 3 * 2**30
+    assert gpu.device_peak == 4 * persistent + 4 * sum(numels) + activations
+    fits, text = verdict(gpu, 80 * 2**30, host_memory)
+    assert fits and "device:" in text and f"host: {format_bytes(gpu.host_total)}" in text

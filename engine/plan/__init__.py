@@ -1,11 +1,25 @@
 """The planner: what each rank holds, predicted on the meta device before a run.
 
 `plan_run` gives per-rank parameter, gradient and optimizer-state bytes equal to what
-`engine.memory.rank_memory` measures on that rank, plus estimated activations and communication;
-`report` prints them, tells them rank by rank and searches the layouts that fit.
+`engine.memory.rank_memory` measures on that rank, plus estimated activations and communication,
+and the data's memory from the sizes `data_sizes` reads off the datasets; `report` prints them,
+tells them rank by rank and searches the layouts that fit.
 """
 
+from engine.plan.data import DataSizes, data_sizes
 from engine.plan.planner import Plan, RankPlan, format_bytes, parse_bytes, plan_run
 from engine.plan.report import explain, suggest, table, verdict
 
-__all__ = ["Plan", "RankPlan", "explain", "format_bytes", "parse_bytes", "plan_run", "suggest", "table", "verdict"]
+__all__ = [
+    "DataSizes",
+    "Plan",
+    "RankPlan",
+    "data_sizes",
+    "explain",
+    "format_bytes",
+    "parse_bytes",
+    "plan_run",
+    "suggest",
+    "table",
+    "verdict",
+]

@@ -1,6 +1,7 @@
-"""The plan of a config at a world size: per rank, the exact model-state bytes (`states.py`) and
-the estimated activations and communication (`estimate.py`), then a verdict against the memory a
-device and a host have. Everything runs on the meta device: no model memory is allocated."""
+"""The plan of a config at a world size: per rank, the exact model-state bytes (`states.py`), the
+estimated activations and communication (`estimate.py`) and the data's memory (`data.py`), then a
+verdict against the memory a device and a host have. Everything runs on the meta device: no model
+memory is allocated."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError, ConfigIssue, EngineConfig
+from engine.hardware import Hardware, detect_hardware
 from engine.parallel.layout import Coordinates, parallel_layout
+from engine.plan.data import DataMemory, DataSizes, data_memory
 from engine.plan.estimate import (
     Communication,
     data_parallel_bytes,
@@ -69,14 +72,28 @@ class Plan:
     bubble: float
     checkpointing: bool
     adam_share: str  # "1/8": the fraction of the optimizer states each rank holds
+    data: DataMemory | None  # None: the plan was not given the data's sizes
+    one_pool: bool  # no accelerator: the device is the host, and every byte a rank holds is host memory
+    ranks_per_node: int
 
     @property
     def device_peak(self) -> int:
         return max(rank.device for rank in self.ranks)
 
+    def host_bytes(self, rank: RankPlan) -> int:
+        """What one rank holds in host memory on its own: its offloaded states and its private data,
+        and where the device is the host, everything else as well (offload then moves states
+        within one memory, and ZeRO-3's offloaded gradients are a second copy in it)."""
+        held = rank.states.total + rank.activations if self.one_pool else rank.states.offloaded
+        return held + (self.data.private if self.data else 0)
+
     @property
     def host_total(self) -> int:
-        return sum(rank.states.offloaded for rank in self.ranks)
+        """The host memory of the busiest node: its ranks' own bytes, and the data's shared pages once."""
+        size = self.ranks_per_node
+        nodes = [self.ranks[start : start + size] for start in range(0, len(self.ranks), size)]
+        shared = self.data.shared if self.data else 0
+        return shared + max(sum(self.host_bytes(rank) for rank in node) for node in nodes)
 
     @property
     def communication(self) -> int:
@@ -128,8 +145,12 @@ def _tokenizer_size(data_section: str, seed: int) -> int | None:
     return bundle.vocab_size
 
 
-def plan_run(config: EngineConfig) -> Plan:
-    """The plan of a loaded config at its world size."""
+def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataSizes | None = None) -> Plan:
+    """The plan of a loaded config at its world size, on `hardware` (by default this machine, with
+    every rank on it: the hardware `load_config` resolved the config against), with the data's
+    memory when `data` gives its sizes (`engine.plan.data.data_sizes`)."""
+    if hardware is None:
+        hardware = detect_hardware(local_world_size=config.world_size)
     try:
         config = settled(config)
     except (ValueError, FileNotFoundError) as error:
@@ -202,7 +223,17 @@ def plan_run(config: EngineConfig) -> Plan:
     adam_share = (
         f"1/{share * layout.tensor * layout.pipeline}" if share * layout.tensor * layout.pipeline > 1 else "all"
     )
-    return Plan(config, ranks, pipeline_bubble(layout.pipeline, accumulation), checkpointing, adam_share)
+    memory = data_memory(data, micro, config.data["num_workers"]) if data is not None else None
+    return Plan(
+        config,
+        ranks,
+        pipeline_bubble(layout.pipeline, accumulation),
+        checkpointing,
+        adam_share,
+        memory,
+        hardware.device_type == "cpu",
+        hardware.local_world_size,
+    )
 
 
 def _wrapper(config: EngineConfig) -> str:

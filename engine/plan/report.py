@@ -7,24 +7,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig
+from engine.hardware import Hardware
+from engine.plan.data import DataSizes
 from engine.plan.planner import Plan, format_bytes, plan_run
 
 
 def table(plan: Plan) -> str:
+    """Where the device is the host (`plan.one_pool`), the last memory column is everything a rank
+    holds, under "host", rather than what sits on a device."""
     config = plan.config
+    memory = "host" if plan.one_pool else "device"
     lines = [
         f"{config.model['family']} {config.model['preset']} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
         f"{config.precision_label}, {config.trainer['backend']} backend; optimizer states per rank: {plan.adam_share}",
         f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-        f"{'offloaded':>12} {'activations*':>13} {'device':>12} {'comm/step*':>12}",
+        f"{'offloaded':>12} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
     ]
     for rank in plan.ranks:
         states = rank.states
+        held = plan.host_bytes(rank) if plan.one_pool else rank.device
         lines.append(
             f"{rank.rank:>4} {rank.where.stage:>5} {rank.where.tensor:>3} {rank.where.data:>3} "
             f"{format_bytes(states.parameter):>12} {format_bytes(states.gradient):>12} "
             f"{format_bytes(states.optimizer):>12} {format_bytes(states.offloaded):>12} "
-            f"{format_bytes(rank.activations):>13} {format_bytes(rank.device):>12} "
+            f"{format_bytes(rank.activations):>13} {format_bytes(held):>12} "
             f"{format_bytes(rank.communication.total):>12}"
         )
     other = "without" if plan.checkpointing else "with"
@@ -40,17 +46,62 @@ def table(plan: Plan) -> str:
         f"({other} it: {format_bytes(max(r.activations_other for r in plan.ranks))} at most), "
         f"communication by ring collectives; pipeline bubble {plan.bubble:.1%}"
     )
+    lines.append(data_line(plan))
+    if plan.one_pool:
+        lines.append(
+            "no accelerator here, so the device is the host: each rank's model states (offloaded or not), "
+            f"activations and data are all host memory, {format_bytes(max(map(plan.host_bytes, plan.ranks)))} on "
+            f"the busiest rank; {format_bytes(plan.host_total)} for {_node(plan)}, the data's shared pages once"
+        )
     return "\n".join(lines)
 
 
+def data_line(plan: Plan) -> str:
+    """The data's memory: what each rank holds for itself, and the page cache its node shares."""
+    data = plan.data
+    if data is None:
+        return "data: not counted (the plan was not given the data's sizes)"
+    parts = {
+        "sample order": data.order,
+        "blend index": data.blend,
+        "workers' prefetched batches": data.workers,
+        "data read into memory": data.loaded,
+    }
+    held = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items() if size)
+    private = f"{format_bytes(data.private)} per rank ({held})" if held else "nothing per rank"
+    shared = (
+        f"{format_bytes(data.shared)} of files read through the page cache, which the ranks of a node share: "
+        "counted once per node"
+        if data.shared
+        else "no files read through the page cache"
+    )
+    return f"data: {private}; {shared}"
+
+
 def verdict(plan: Plan, device_memory: int | None, host_memory: int | None) -> tuple[bool, str]:
-    """Whether the busiest rank fits the device and every rank's offloaded states fit the host."""
+    """Whether the busiest rank fits the device and the busiest node's host memory holds its ranks'
+    offloaded states and data. Without an accelerator there is one memory, the host's, and a device
+    budget would be a second one that does not exist: ValueError."""
+    if plan.one_pool and device_memory is not None:
+        raise ValueError(
+            "this machine has no accelerator, so every rank holds everything in host memory: give the host's "
+            "memory (--host-memory), not a device's"
+        )
+    if plan.one_pool:
+        host = f"for {_node(plan)} (one pool: model states, activations and data)"
+    else:
+        host = f"for {_node(plan)} (offloaded states" + (" and data)" if plan.data else ")")
     budgets = [
         ("device", "on the busiest rank", plan.device_peak, device_memory),
-        ("host", "offloaded by all ranks together", plan.host_total, host_memory),
+        ("host", host, plan.host_total, host_memory),
     ]
     checked = [_budget(*budget) for budget in budgets if budget[3] is not None]
     return all(fits for fits, _ in checked), "\n".join(line for _, line in checked)
+
+
+def _node(plan: Plan) -> str:
+    ranks = min(plan.ranks_per_node, len(plan.ranks))
+    return f"the {ranks} rank(s) of the busiest node" if ranks < len(plan.ranks) else f"the {ranks} rank(s) of one node"
 
 
 def _budget(memory: str, holder: str, needed: int, available: int) -> tuple[bool, str]:
@@ -71,7 +122,10 @@ def explain(plan: Plan) -> str:
     stages = config.parallel["pipeline_parallel_size"]
     for rank in plan.ranks:
         states, where = rank.states, rank.where
-        host = f", {format_bytes(states.offloaded)} of it in host memory" if states.offloaded else ""
+        if plan.one_pool:
+            host = ", all of it in host memory (no accelerator)"
+        else:
+            host = f", {format_bytes(states.offloaded)} of it in host memory" if states.offloaded else ""
         lines.append(
             f"rank {rank.rank}: stage {where.stage + 1} of {stages} ({rank.layers}), TP shard {where.tensor + 1} of "
             f"{tensor}, data-parallel replica {where.data + 1} of {data}, holds {plan.adam_share} of the optimizer "
@@ -80,6 +134,7 @@ def explain(plan: Plan) -> str:
             f"sends about {format_bytes(rank.communication.total)} per step"
             + "".join(f", {name} {format_bytes(size)}" for name, size in rank.communication.data_parallel.items())
         )
+    lines.append(data_line(plan))
     return "\n".join(lines)
 
 
@@ -94,9 +149,12 @@ def suggest(
     load: Callable[[list[str]], EngineConfig],
     device_memory: int | None,
     host_memory: int | None,
+    hardware: Hardware | None = None,
+    data: DataSizes | None = None,
 ) -> list[Candidate]:
     """Every layout of the same world size and global batch that is a valid config and fits,
-    cheapest communication per step first (then least device memory). `load` validates overrides."""
+    cheapest communication per step first (then least device memory). `load` validates overrides;
+    `hardware` and `data` are `plan_run`'s."""
     world = config.world_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
     micro = config.document["train_micro_batch_size_per_gpu"]
@@ -127,7 +185,7 @@ def suggest(
                                 _checkpointing_override(config, pipeline, checkpointing),
                             ]
                             try:
-                                plan = plan_run(load(overrides))
+                                plan = plan_run(load(overrides), hardware, data)
                             except (ConfigError, ValueError):
                                 continue
                             fits, _ = verdict(plan, device_memory, host_memory)
@@ -150,12 +208,13 @@ def describe_candidate(candidate: Candidate) -> str:
     zero = config.document["zero_optimization"]
     offload = [name for name in ("optimizer", "param") if zero[f"offload_{name}"]["device"] != "none"]
     checkpointing = "on" if plan.checkpointing else "off"
+    host = f"host {format_bytes(plan.host_total)}"
+    memory = f"{host} (one pool)" if plan.one_pool else f"device {format_bytes(plan.device_peak)}, {host}"
     return (
         f"ZeRO-{config.zero_stage}"
         + (f" offload {'+'.join(offload)}" if offload else "")
         + f", TP {config.parallel['tensor_parallel_size']}, PP {config.parallel['pipeline_parallel_size']}, "
         f"micro-batch {config.document['train_micro_batch_size_per_gpu']} x "
-        f"{config.document['gradient_accumulation_steps']}, checkpointing {checkpointing}: "
-        f"device {format_bytes(plan.device_peak)}, host {format_bytes(plan.host_total)}, "
+        f"{config.document['gradient_accumulation_steps']}, checkpointing {checkpointing}: {memory}, "
         f"comm {format_bytes(plan.communication)}/step\n    --set " + " --set ".join(candidate.overrides)
     )
