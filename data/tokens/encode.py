@@ -1,12 +1,13 @@
 """Tokenize a corpus into a prepared folder (data/tokens/files.py) in bounded memory and at the
 tokenizer's full speed.
 
-Bytes and characters are encoded with numpy over whole blocks (no per-character Python). A Hugging
-Face tokenizer gets batches of texts through its own batched call, which its Rust core spreads
-over every core. A .txt document longer than a block is cut for it only after a newline that sits
-between two non-space characters: a byte-level BPE pre-tokenizer (GPT-2's, Llama 3's) splits there
-anyway, so the ids equal those of the whole document (tests/test_token_cache.py checks it on
-tinyshakespeare), while a 2 GB file never becomes one 2 GB string.
+Bytes and characters are encoded over whole blocks in C (`np.frombuffer`, `bytes.translate`), never
+character by character in Python. A Hugging Face tokenizer gets batches of texts through its own
+batched call, which its Rust core spreads over every core. A .txt document longer than
+HF_PIECE_CHARS is cut for it only after a newline that sits between two non-space characters: a
+byte-level BPE pre-tokenizer (GPT-2's, Llama 3's) splits there anyway, so the ids equal those of the
+whole document (tests/test_token_cache.py checks it on tinyshakespeare), while a 2 GB file never
+becomes one 2 GB string.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from data.tokens.files import SplitWriter, smallest_dtype
 HF_BATCH_CHARS = 1 << 20
 """Text handed to a Hugging Face tokenizer per batched call: enough to keep every core busy."""
 HF_PIECE_CHARS = 1 << 16
+"""The shortest piece a long .txt document is cut into for a Hugging Face tokenizer."""
 HF_CARRY_CHARS = 1 << 26
+"""Text without a safe cut is cut here regardless: memory stays bounded on a file with no newlines."""
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 _MAX_CODE_POINT = 0x110000
 
