@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from bench import gpu, memory, optimizer_step, shakespeare, throughput
+from bench import data, gpu, memory, optimizer_step, shakespeare, throughput
 from bench.report import REPORT, headline, load_results, store_results, write_report
 from bench.results import Result, Unavailable
 from bench.settings import Settings
@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "gpu": gpu.speed,  # 5: GPT-2 124M tokens/s and MFU on one GPU
     "offload": gpu.offload,  # 5: the largest GPT that trains on one GPU with ZeRO-Offload
     "optimizer": optimizer_step.run,  # 6: host cost of the optimizer step, bf16 against torch_autocast
+    "data": data.run,  # 7: tokenized corpora: preparation speed, launch time and memory per rank against size
 }
 
 
