@@ -12,10 +12,12 @@ becomes one 2 GB string.
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +49,8 @@ def char_vocabulary(corpus: Corpus) -> CharTokenizer:
                 if piece.isascii():
                     new = piece.encode("ascii").translate(None, ascii_seen)
                     if new:
-                        ascii_seen = bytes(sorted(set(ascii_seen) | set(new)))
+                        counts = np.bincount(np.frombuffer(ascii_seen + new, dtype=np.uint8), minlength=128)
+                        ascii_seen = bytes(np.flatnonzero(counts).astype(np.uint8))
                 else:
                     seen[_code_points(piece)] = True
     seen[list(ascii_seen)] = True
@@ -63,8 +66,6 @@ def write_splits(
     """Tokenize every split into `staging`; returns each split's token and document counts."""
     dtype = smallest_dtype(tokenizer.vocab_size)
     encode = _encoder(tokenizer)
-    eos = None if tokenizer.eos_id is None else tokenizer.eos_id
-    cut = isinstance(tokenizer, HFTokenizer)
     counts = {}
     started, work_done = time.perf_counter(), 0
     for split, documents in corpus.splits.items():
@@ -78,13 +79,8 @@ def write_splits(
             disable=None,  # a bar on a terminal; a launch's rank logs get the summary line alone
         ) as bar:
             try:
-                for batch in _batches(documents(), cut=cut):
-                    ids, starts = batch.encode(encode, eos, first=writer.tokens == 0 and not writer.documents)
-                    writer.write(ids, starts)
-                    work = batch.documents if corpus.unit == "rows" else batch.chars
-                    bar.update(work)
-                    work_done += work
-                    bar.set_postfix_str(f"{writer.tokens / (time.perf_counter() - started):,.0f} tokens/s", False)
+                batches = _batches(documents(), cut=isinstance(tokenizer, HFTokenizer))
+                work_done += _write_split(batches, writer, encode, tokenizer.eos_id, bar, by_rows=corpus.unit == "rows")
             except BaseException:
                 writer.abandon()
                 raise
@@ -99,6 +95,31 @@ def write_splits(
 
 
 Encode = Callable[[list[str]], list[np.ndarray]]
+
+
+def _write_split(
+    batches: Iterator[_Batch], writer: SplitWriter, encode: Encode, eos: int | None, bar: tqdm, *, by_rows: bool
+) -> int:
+    """Encode and write `batches` in order; returns the work done (rows, or characters of text).
+
+    Each batch is encoded on a second thread while this one cuts the next: a Hugging Face tokenizer's
+    batched call leaves the GIL while its Rust threads work, so the cutting costs no time."""
+    done = 0
+    with ThreadPoolExecutor(max_workers=1) as encoder:
+        pending: tuple[_Batch, Future] | None = None
+        for batch in itertools.chain(batches, [None]):
+            submitted = None if batch is None else (batch, encoder.submit(encode, batch.pieces))
+            if pending is not None:
+                written, encoded = pending
+                first = writer.tokens == 0 and not writer.documents
+                writer.write(*written.assemble(encoded.result(), eos, first=first))
+                work = written.documents if by_rows else written.chars
+                bar.update(work)
+                rate = writer.tokens / max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+                done += work
+            pending = submitted
+    return done
 
 
 class _Batch:
@@ -118,11 +139,11 @@ class _Batch:
         self.opens.append(opens)
         self.chars += len(piece)
 
-    def encode(self, encode: Encode, eos: int | None, *, first: bool) -> tuple[np.ndarray, list[int]]:
-        """The batch's ids with the end-of-text id before every document but the split's first, and
-        where in them each document's own ids start."""
+    def assemble(self, encoded: list[np.ndarray], eos: int | None, *, first: bool) -> tuple[np.ndarray, list[int]]:
+        """The batch's ids (`encoded`, piece by piece) with the end-of-text id before every document
+        but the split's first, and where in them each document's own ids start."""
         parts, starts, length = [], [], 0
-        for index, ids in enumerate(encode(self.pieces)):
+        for index, ids in enumerate(encoded):
             if self.opens[index]:
                 if eos is not None and not (first and index == 0):
                     parts.append(np.array([eos]))
