@@ -72,14 +72,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment)
 
 
+FP32_ZERO3_FULL_OFFLOAD = [
+    "zero_optimization.stage=3",
+    "zero_optimization.offload_optimizer.device=cpu",
+    "zero_optimization.offload_param.device=cpu",
+    "bf16.enabled=false",
+    "fp16.enabled=false",
+]
+
+
 def test_gpt2_zero3_offload_on_8_ranks_holds_an_eighth_of_each_parameter():
-    overrides = [
-        "zero_optimization.stage=3",
-        "zero_optimization.offload_optimizer.device=cpu",
-        "zero_optimization.offload_param.device=cpu",
-        "bf16.enabled=false",
-        "fp16.enabled=false",
-    ]
+    overrides = FP32_ZERO3_FULL_OFFLOAD
     plan = plan_of(GPT2, 8, overrides)
     numels = gpt2_parameter_numels()
     assert sum(numels) == 124_439_808
@@ -388,13 +391,7 @@ def test_without_an_accelerator_a_rank_holds_everything_in_host_memory():
     """GPT-2 124M under ZeRO-3 with optimizer and parameter offload on one rank. The split verdict
     weighed only the offloaded states against the host, 20 bytes per partitioned element, and they
     fit; on a CPU the parameters, the device gradients and the activations are host memory too."""
-    overrides = [
-        "zero_optimization.stage=3",
-        "zero_optimization.offload_optimizer.device=cpu",
-        "zero_optimization.offload_param.device=cpu",
-        "bf16.enabled=false",
-        "fp16.enabled=false",
-    ]
+    overrides = FP32_ZERO3_FULL_OFFLOAD
     config = load_config(GPT2, [*NO_DATA, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
     seq_len, micro = config.data["seq_len"], config.document["train_micro_batch_size_per_gpu"]
     sizes = DataSizes(samples=5000, sample_bytes=2 * 8 * seq_len, loaded=0, mapped=3 * 2**30, blend_index=0)
