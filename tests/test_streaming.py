@@ -14,6 +14,7 @@ import torch
 
 from data.streaming import StreamedWindows, stream_micro_batches
 from data.tokenizers import ByteTokenizer, HFTokenizer
+from engine.checkpoints.layout import ReshapeError, layout_record, needs_conversion
 from engine.prepare import RunError, prepare
 from tests.support.launch import launch, set_arguments
 
@@ -329,3 +330,19 @@ def test_a_streamed_run_resumed_from_a_checkpoint_continues_exactly(tmp_path: Pa
     one_rank = {**run, "trainer.resume": str(checkpoint), "trainer.output_dir": str(tmp_path / "one")}
     with pytest.raises(RunError, match="data.streaming: checkpoint .* saved by 2 data-parallel ranks"):
         prepare("configs/tiny_gpt.json", [argument.removeprefix("--set=") for argument in set_arguments(one_rank)])
+
+
+def test_a_streamed_checkpoint_resumes_only_on_its_own_layout(tmp_path: Path):
+    """Positions are kept rank by rank, and a pipeline's middle stages read none: any other split of the
+    ranks, even at the same data-parallel size, would look up positions that were never saved."""
+
+    def record(data: int, pipeline: int, streamed: bool = True) -> dict:
+        return layout_record("deepspeed", data, pipeline, 1, 1, 256, 2, "byte", 8, None, streamed)
+
+    assert needs_conversion(record(2, 1), record(2, 1), tmp_path) is False
+    with pytest.raises(ReshapeError, match=r"saved by 2 data-parallel ranks .* this run is .* 2 x 2 x 1"):
+        needs_conversion(record(2, 1), record(2, 2), tmp_path)
+    with pytest.raises(
+        ReshapeError, match="data.streaming: .* trained with data.streaming true and this run has false"
+    ):
+        needs_conversion(record(2, 1), {**record(2, 1, streamed=False), "train_samples": 100}, tmp_path)

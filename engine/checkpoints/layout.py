@@ -121,8 +121,8 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"this run {current['tokenizer']}): a char tokenizer numbers the characters of data.path, so a corpus "
             "with other characters gives each id another one. Resume with the data and tokenizer it was trained on"
         )
-    # Each data-parallel rank reads its own share of a stream from its own saved position; another number
-    # of ranks would split the stream otherwise, and an indexed corpus has no position to carry over.
+    # Each rank reads its share of a stream from its own saved position; another layout would split the
+    # stream otherwise, and an indexed corpus has no position to carry over.
     streamed = saved.get("streamed", False)
     if streamed != current["streamed"]:
         raise ReshapeError(
@@ -130,11 +130,13 @@ def needs_conversion(saved: dict[str, Any] | None, current: dict[str, Any], tag_
             f"this run has {str(current['streamed']).lower()}; a stream's position and an indexed corpus's order "
             f"do not carry over to each other. Resume with data.streaming {str(streamed).lower()}"
         )
-    if streamed and saved["data"] != current["data"]:
+    shape = ("data", "pipeline", "tensor")
+    if streamed and [saved[key] for key in shape] != [current[key] for key in shape]:
         raise ReshapeError(
-            f"data.streaming: checkpoint {tag_dir} was saved by {saved['data']} data-parallel ranks, each with its "
-            f"own position in the stream, and this run has {current['data']}; resume on {saved['data']} "
-            "data-parallel ranks (the world size divided by the pipeline and tensor-parallel sizes)"
+            f"data.streaming: checkpoint {tag_dir} was saved by {saved['data']} data-parallel ranks "
+            f"({describe(saved)}), each rank with its own position in the stream, and this run is "
+            f"{describe(current)}; resume on the "
+            "layout that saved it (a pipeline's middle stages read no data, so positions are kept rank by rank)"
         )
     # The data order and the LR schedule count steps: on another global batch, step N would read
     # samples the checkpoint has trained on, or skip some. Checkpoints from before it was recorded say nothing.
