@@ -17,6 +17,7 @@ from bench import data, gpu, memory, nanogpt, optimizer_step, shakespeare, throu
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.settings import Settings
 from bench.trials import Pair, Side, paired_trial, run_overrides
+from data.corpus import DEFAULT_CORPUS
 from engine.config import load_config
 from engine.hardware import detect_hardware
 from engine.prepare import check_data
@@ -200,7 +201,14 @@ def test_nanogpt_reference_is_the_baby_gpt_and_learns() -> None:
     assert result["eval_loss"] < 0.5 * math.log(vocabulary)
 
 
+@pytest.fixture
+def embedded_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data benchmark's corpora made from the embedded sonnets: tests never depend on ../shared."""
+    monkeypatch.setattr(data, "SOURCE", DEFAULT_CORPUS)
+
+
 @pytest.mark.parametrize("ranks", data.RANKS)
+@pytest.mark.usefixtures("embedded_source")
 def test_data_benchmark_launches_validate(tmp_path: Path, ranks: int) -> None:
     """The data benchmark's launch on a corpus it makes, checked as launch.sh's `validate` checks it
     (the corpus is tokenized and fills a batch): its configs need a real file, so they are not in
@@ -232,6 +240,7 @@ def test_data_benchmark_sizes_come_from_the_environment(
 
 
 @pytest.mark.launch
+@pytest.mark.usefixtures("embedded_source")
 def test_data_benchmark_runs_end_to_end_at_tiny_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole data benchmark on corpora of 200 and 400 KB, 1 rank, one round, without the warm-up
     launch (the suite's earlier launches built DeepSpeed's op): every part runs and the result has

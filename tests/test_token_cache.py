@@ -29,7 +29,8 @@ from engine.cli import main as cli_main
 from tests.support.launch import ROOT
 from tests.support.text_reference import read_documents, token_stream
 
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SONNETS = DEFAULT_CORPUS.read_text(encoding="utf-8")
+"""Real text that ships with the engine (tests never depend on ../shared)."""
 OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 SAMPLE = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
@@ -112,7 +113,7 @@ def test_a_large_text_file_is_encoded_in_pieces_that_give_the_whole_files_ids(mo
     """A byte-level BPE splits after a newline between two non-space characters anyway, so cutting
     there gives the ids of the whole document (the module's claim, on a real corpus)."""
     tokenizer = load_tokenizer(str(hf_tokenizer_dir), training_text=None)
-    text = SHAKESPEARE.read_text(encoding="utf-8")[:200_000]
+    text = (SONNETS * 6)[:200_000]
     monkeypatch.setattr(encode, "HF_PIECE_CHARS", 1000)
     pieces = list(encode._pieces(iter([text[:70_000], text[70_000:]]), cut=True))
     assert len(pieces) > 100 and "".join(pieces) == text
@@ -186,7 +187,7 @@ def test_a_process_waits_for_the_one_building_and_gives_up_with_a_clear_message(
 def test_two_processes_building_the_same_cache_at_once_tokenize_it_once(tmp_path):
     """Both start while the corpus's lock is held (as on a node whose ranks start together), so both
     must wait; once it is free, one of them tokenizes and the other reads what it wrote."""
-    corpus = write(tmp_path / "big.txt", SHAKESPEARE.read_text(encoding="utf-8") * 8)
+    corpus = write(tmp_path / "big.txt", SONNETS * 32)
     cache = tmp_path / "cache"
     load_text_dataset(corpus, seq_len=64, cache_dir=cache)
     (folder,) = cache_folders(cache)
