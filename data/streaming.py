@@ -27,7 +27,7 @@ from datasets.distributed import split_dataset_by_node
 from torch import Tensor
 
 from data.tokenizers import Tokenizer
-from data.tokens.corpus import ROW_SUFFIXES, SAVED_DATASET_MARKERS, TEXT_SUFFIX, corpus_files
+from data.tokens.corpus import ROW_SUFFIXES, TEXT_SUFFIX, corpus_files, is_saved_dataset
 
 FILE_COLUMN = "file_index"
 """Added to the rows of .txt sources: which file a line came from, so a file's lines form one document."""
@@ -254,7 +254,7 @@ def _local_files(source: str | Path | Sequence[str | Path]) -> list[Path] | None
     paths = [Path(source)] if isinstance(source, str | Path) else [Path(path) for path in source]
     if not paths:
         raise ValueError("data.path is an empty list; give at least one file")
-    if len(paths) == 1 and any((paths[0] / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+    if len(paths) == 1 and is_saved_dataset(paths[0]):
         raise ValueError(
             f"data.path: {paths[0]} is a datasets.save_to_disk folder, which streaming does not read; it is on "
             "local disk already, so set data.streaming to false"

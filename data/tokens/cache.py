@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from data.tokens.files import VERSION, PreparedCorpus, damage, open_prepared
+from data.tokens.files import VERSION, PreparedCorpus, damage, open_prepared, read_meta
 
 CACHE_ENV = "DSENGINE_DATA_CACHE"
 _POLL_S = 0.2
@@ -55,13 +55,13 @@ def prepared_corpus(
 
     `build` writes a staging folder and publishes it to `folder` (files.publish). A damaged folder
     (a copy cut short, a file truncated after the fact) is rebuilt, never read."""
-    if damage(folder) is None:
-        return open_prepared(folder)
+    if damage(folder) is None:  # checked once: open_prepared would check the same sizes again
+        return PreparedCorpus(folder, read_meta(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(folder.with_name(folder.name + ".lock"), timeout_s, announce):
         problem = damage(folder)
         if problem is None:  # another process built it while this one waited
-            return open_prepared(folder)
+            return PreparedCorpus(folder, read_meta(folder))
         if folder.exists():
             announce(f"data: rebuilding the damaged token cache {folder} ({problem})")
         staging = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}")

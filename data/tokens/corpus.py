@@ -52,7 +52,7 @@ def corpus_files(paths: Sequence[Path]) -> list[Path]:
     for path in paths:
         if not path.exists():
             raise ValueError(f"data.path: {path} does not exist")
-    if len(paths) == 1 and paths[0].is_dir() and _is_saved_dataset(paths[0]):
+    if len(paths) == 1 and paths[0].is_dir() and is_saved_dataset(paths[0]):
         return sorted(p for p in paths[0].rglob("*") if p.is_file())
     return _corpus_files(paths)
 
@@ -63,7 +63,7 @@ def open_corpus(paths: Sequence[Path], text_field: str, scratch: Path) -> Corpus
     for path in paths:
         if not path.exists():
             raise ValueError(f"data.path: {path} does not exist")
-    if len(paths) == 1 and paths[0].is_dir() and _is_saved_dataset(paths[0]):
+    if len(paths) == 1 and paths[0].is_dir() and is_saved_dataset(paths[0]):
         return _saved_dataset(paths[0], text_field)
     files = _corpus_files(paths)
     for path in files:
@@ -138,7 +138,8 @@ def _text_file(path: Path) -> Document:
             yield tail
 
 
-def _is_saved_dataset(directory: Path) -> bool:
+def is_saved_dataset(directory: Path) -> bool:
+    """Whether `directory` was written by `datasets.save_to_disk` (rather than holding corpus files)."""
     return any((directory / marker).is_file() for marker in SAVED_DATASET_MARKERS)
 
 
