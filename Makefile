@@ -1,7 +1,7 @@
 # The README's two commands. Both set up first (a no-op when everything is installed).
 PYTHON ?= python3
 
-.PHONY: setup quickstart test lint docs
+.PHONY: setup quickstart test test-fast lint docs
 
 setup:
 	PYTHON=$(PYTHON) bash scripts/setup.sh
@@ -13,6 +13,11 @@ quickstart: setup
 test: setup
 	ruff check .
 	$(PYTHON) -m pytest -q
+
+# The in-process tests only (tests/unit): no launcher, no subprocess runs; a few minutes at most.
+test-fast: setup
+	ruff check .
+	$(PYTHON) -m pytest -q tests/unit
 
 lint:
 	ruff check . && ruff format --check .

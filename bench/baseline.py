@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from data import DataBundle, make_eval_loader, make_train_loader
+from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig
-from engine.optim import build_optimizer, build_scheduler, parameter_groups
-from engine.run import seed_everything
 from models import ModelFamily, get_family
+from models.common import seed_everything
 
 Batch = dict[str, torch.Tensor]
 StepFn = Callable[[Iterator[Batch]], torch.Tensor]
@@ -44,11 +44,11 @@ def torch_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFamily
     if config.compute_precision not in ("fp32", "bf16"):
         raise SystemExit(f"the torch baseline trains in fp32 or bf16 (autocast), not {config.precision}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.compute_precision == "bf16")
-    groups = parameter_groups(model.parameters(), doc["optimizer"], config.trainer["weight_decay_on"])
+    groups = parameter_groups(model.parameters(), doc["optimizer"], config.trainer.weight_decay_on)
     optimizer = build_optimizer(doc["optimizer"], groups, fused=device.type == "cuda")
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, clipping = doc["gradient_accumulation_steps"], doc["gradient_clipping"]
-    if config.trainer["compile"]:
+    if config.trainer.compile:
         model.compile()
 
     def step(batches: Iterator[Batch]) -> torch.Tensor:
@@ -75,9 +75,9 @@ def deepspeed_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFa
     import deepspeed
 
     ds_config = config.deepspeed_config()
-    groups = parameter_groups(model.parameters(), ds_config["optimizer"], config.trainer["weight_decay_on"])
+    groups = parameter_groups(model.parameters(), ds_config["optimizer"], config.trainer.weight_decay_on)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config)
-    if config.trainer["compile"]:
+    if config.trainer.compile:
         engine.compile()
     accumulation = engine.gradient_accumulation_steps()
 
@@ -103,20 +103,20 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
 
 def build_baseline(kind: str, config: EngineConfig, bundle: DataBundle, device: torch.device) -> Baseline:
     """The `kind` ("torch" or "deepspeed") loop on the engine's resolved config and data."""
-    family = get_family(config.model["family"])
+    family = get_family(config.model.family)
     trainer, doc = config.trainer, config.document
     # The engine seeds right before it builds the model, so both start from the same weights.
-    seed_everything(trainer["seed"])
-    step, model = LOOPS[kind](family.build(config.model).to(device).train(), config, family)
+    seed_everything(trainer.seed)
+    step, model = LOOPS[kind](family.build(config.model.fields).to(device).train(), config, family)
     batches = make_train_loader(
         bundle.train,
         micro_batch_size=doc["train_micro_batch_size_per_gpu"],
         grad_accum=doc["gradient_accumulation_steps"],
         dp_rank=0,
         dp_size=1,
-        seed=trainer["seed"],
-        num_workers=config.data["num_workers"],
-        pin_memory=config.data["pin_memory"],
+        seed=trainer.seed,
+        num_workers=config.data.num_workers,
+        pin_memory=config.data.pin_memory,
     )
     return Baseline(step, on_device(batches, device), model, family, config, bundle)
 
@@ -129,9 +129,9 @@ def evaluate(baseline: Baseline, device: torch.device) -> float:
         micro_batch_size=config.document["train_micro_batch_size_per_gpu"],
         dp_rank=0,
         dp_size=1,
-        max_batches=config.trainer["eval_batches"],
-        num_workers=config.data["num_workers"],
-        pin_memory=config.data["pin_memory"],
+        max_batches=config.trainer.eval_batches,
+        num_workers=config.data.num_workers,
+        pin_memory=config.data.pin_memory,
     )
     model.eval()
     totals: dict[str, torch.Tensor] = {}

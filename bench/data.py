@@ -22,7 +22,7 @@ size, in a temporary folder removed at the end: a 1 GB text file is never commit
   the median over `--rounds` rounds, each with a fresh cache.
 - Memory: the peak RSS (VmHWM) of every rank process, read from /proc every POLL_S seconds while
   the launch runs; the high-water mark only grows, so only growth in a rank's last POLL_S is missed.
-  (The metrics records' `ranks[].rss_bytes`, engine/memory.py, is the RSS at a logged step, not the
+  (The metrics records' `ranks[].rss_bytes`, engine/observability/memory.py, is the RSS at a logged step, not the
   peak.) It counts the pages of the memory-mapped token file that a rank has touched, so a rank that
   read the whole corpus would show it.
   A rank's figure is its largest over the first and cached launches of every round.

@@ -31,10 +31,10 @@ from bench.results import Goal, Panel, Result, Row, Unavailable, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, Pair, Side, launch_engine, median, rounds, run_overrides
 from engine.config import load_config
-from engine.flops import device_peak_flops, mfu
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware, device_peak_flops
+from engine.observability.flops import mfu
 from engine.plan import plan_run
-from engine.run import model_flops_per_item
+from models import get_family
 
 CONFIG = ROOT / "configs" / "gpt2_124m.json"
 COMMON = [
@@ -102,7 +102,9 @@ def speed(settings: Settings) -> Result:
     config = load_config(CONFIG, [*COMMON, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
     peak = device_peak_flops(torch.cuda.get_device_name(), "bf16")
     machine = next(iter(measured.values()))[0].machine
-    return speed_result(measured, failures, model_flops_per_item(config), peak, steps, machine)
+    family = get_family(config.model.family)
+    flops_per_token = family.flops_per_item(family.architecture(config.model.fields), config.data.as_mapping())
+    return speed_result(measured, failures, flops_per_token, peak, steps, machine)
 
 
 def speed_result(
@@ -155,7 +157,8 @@ def speed_result(
             f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}; {trials} round(s) per variant, each a "
             f"fresh process in which the engine and the loop alternate window by window for {steps} steps "
             "(bench/paired.py), speed from the median 10-step window after the first (which holds compilation). "
-            "MFU = 6N + attention FLOPs per token (engine/flops.py) x tokens/s / the GPU's dense bf16 peak. "
+            "MFU = 6N + attention FLOPs per token (the model family's count) x tokens/s / the GPU's dense bf16 "
+            "peak. "
             "Variants, x axis of the plot: " + "; ".join(f"{i} {name}" for i, name in enumerate(VARIANTS)) + "."
         ),
         rows=rows,

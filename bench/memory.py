@@ -6,7 +6,7 @@ parameters, 2 Psi of 16-bit gradients and K Psi = 12 Psi of fp32 optimizer state
 momentum, variance). Stage 1 divides the optimizer states by N, stage 2 the gradients too, stage 3
 the parameters too; offload moves the same bytes to host memory. So the runs are bf16, where the
 formulas apply as written. Each rank counts what it holds at the optimizer step of a logged step
-(`engine/memory.py`); the gap to the formula is DeepSpeed's padding and buffers, which
+(`engine/observability/memory.py`); the gap to the formula is DeepSpeed's padding and buffers, which
 `python -m engine plan` accounts for byte by byte.
 """
 
@@ -20,7 +20,7 @@ from bench.results import Panel, Result, Row, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, launch_engine, run_overrides
 from engine.config import load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
 from engine.plan.shapes import build_on_meta
 from models import count_parameters, get_family
 
@@ -56,7 +56,7 @@ def zero_formula(stage: int, parameters: int, ranks: int) -> dict[str, float]:
 def parameter_count(config_path: Path, sets: list[str]) -> int:
     """The model's parameters (a tied weight once), counted on the meta device without its memory."""
     config = load_config(config_path, sets, world_size=1, hardware=detect_hardware(local_world_size=1))
-    model = build_on_meta(get_family(config.model["family"]), config.model)
+    model = build_on_meta(get_family(config.model.family), config.model.fields)
     return count_parameters(model)
 
 

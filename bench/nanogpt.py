@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
 
 
 class LayerNorm(nn.Module):

@@ -9,7 +9,7 @@ so compute is negligible and what remains is the per-tensor work a GPU would wai
 The baseline is `bf16.enabled` (bf16 weights, fp32 master); the engine column is `torch_autocast`
 (fp32 weights, FusedAdam on them), the route offered to close that gap (docs/design.md). Both
 are the engine's own runs: the mean step of each log window, and the optimizer phase of its
-logged step (engine/step_phases.py). Forward and backward are host work here too, as they are
+logged step (engine/observability/step_phases.py). Forward and backward are host work here too, as they are
 not on a GPU, so the mean step understates what the optimizer's share would be there.
 """
 
@@ -73,7 +73,8 @@ def run(settings: Settings) -> Result:
             f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}: GPT-2 124M's 148 tensors at width 64. One process, "
             f"one thread, {STEPS} steps logged every {LOG_INTERVAL}, {settings.rounds} round(s) of one run per route, "
             "alternating. Each run's figure is the median over its windows after the first (the mean step of a "
-            "window; the optimizer phase of its logged step, engine/step_phases.py), then the median over rounds. "
+            "window; the optimizer phase of its logged step, engine/observability/step_phases.py), then the "
+            "median over rounds. "
             "The engine column is the torch_autocast route."
         ),
         rows=[compare(name, median(times["bf16"][name]), median(times["torch_autocast"][name])) for name in QUANTITIES],

@@ -1,9 +1,9 @@
 """`python -m bench.paired {torch,deepspeed} --config CONFIG [--set PATH=VALUE ...]`: the engine and a
 baseline (bench/baseline.py) trained in one process, step for step.
 
-The engine runs as `python engine/main.py` runs it (`engine.run.run`: config checks, process group,
+The engine runs as `python engine/main.py` runs it (`engine.session.run`: config checks, process group,
 backend, and the training loop with its health check, logging and evaluation). After each of its
-logged steps, `between_steps` runs as many steps of the baseline as the engine ran since the last
+logged steps, `Pairing.after_step` runs as many steps of the baseline as the engine ran since the last
 one. Each side's window is timed at these hand-overs, so a change in the load from elsewhere on a
 shared machine (a burst, a noisy neighbour for a minute) falls on both sides alike instead of on one
 side's whole trial, as it does when the two run one after the other. Windows rather than single
@@ -28,17 +28,18 @@ import torch
 
 from bench.baseline import LOOPS, Baseline, build_baseline, evaluate
 from bench.machine import machine_facts
+from engine.backends.base import StepHooks
 from engine.config import load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data, settle_vocabulary
-from engine.run import run
+from engine.session import run
 
 PAIRED = "paired.json"
 
 
-class Pairing:
-    """The `between_steps` callback: after every `log_interval` engine steps, as many baseline steps,
-    each side's window timed."""
+class Pairing(StepHooks):
+    """The run's hooks: after every `log_interval` engine steps, as many baseline steps, each side's
+    window timed."""
 
     def __init__(self, kind: str, config_path: str, overrides: list[str]):
         hardware = detect_hardware(local_world_size=1)
@@ -46,7 +47,7 @@ class Pairing:
         self.bundle = load_data(config)
         self.config = settle_vocabulary(config, self.bundle)
         self.kind = kind
-        self.window = self.config.trainer["log_interval"]
+        self.window = self.config.trainer.log_interval
         self.device = torch.device("cuda", 0) if hardware.device_type == "cuda" else torch.device("cpu")
         self._synchronize = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         self.engine_windows: list[float] = []  # seconds of engine steps k*w+1 .. (k+1)*w, from k = 1 on
@@ -55,7 +56,7 @@ class Pairing:
         self._baseline: Baseline | None = None
         self._handed_back: float | None = None
 
-    def __call__(self, step: int) -> None:
+    def after_step(self, step: int) -> None:
         if step % self.window:
             return
         self._synchronize()
@@ -84,7 +85,7 @@ class Pairing:
             "baseline_eval_loss": evaluate(self._baseline, self.device),
             "machine": machine_facts(torch.get_num_threads()),
         }
-        (Path(self.config.trainer["output_dir"]) / PAIRED).write_text(json.dumps(result) + "\n")
+        (Path(self.config.trainer.output_dir) / PAIRED).write_text(json.dumps(result) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE")
     args = parser.parse_args(argv)
     pairing = Pairing(args.kind, args.config, args.overrides)
-    code = run(args.config, args.overrides, between_steps=pairing)
+    code = run(args.config, args.overrides, hooks=pairing)
     if code == 0:
         pairing.write()
     return code

@@ -142,7 +142,7 @@ def _number(value: float) -> str:
 
 def draw(panels: list[Panel], path: Path) -> None:
     """One axes per panel, side by side; a bare `Figure` (no pyplot state, no display), as
-    engine/plots.py draws."""
+    engine/observability/plots.py draws."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 

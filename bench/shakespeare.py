@@ -25,7 +25,7 @@ from bench.results import Goal, Panel, Result, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, median, rounds, run_overrides
 from engine.config import EngineConfig, load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
@@ -48,7 +48,7 @@ def validation_split(config: EngineConfig) -> ValidationSplit:
     number of micro-batches, cycling the split if asked for more)."""
     samples = len(load_data(config).validation)
     micro_batch = config.document["train_micro_batch_size_per_gpu"]
-    return ValidationSplit(samples // micro_batch, micro_batch, config.data["seq_len"], samples)
+    return ValidationSplit(samples // micro_batch, micro_batch, config.data.seq_len, samples)
 
 
 def nanogpt_loss(steps: int, samples: int, threads: int, seed: int) -> float:
@@ -66,7 +66,7 @@ def nanogpt_loss(steps: int, samples: int, threads: int, seed: int) -> float:
 def run(settings: Settings) -> Result:
     steps = settings.quality_steps
     config = load_config(CONFIG, [], world_size=1, hardware=detect_hardware(local_world_size=1))
-    split, seed = validation_split(config), config.trainer["seed"]
+    split, seed = validation_split(config), config.trainer.seed
     log_interval = max(1, steps // 20)
     overrides = run_overrides(steps, log_interval, split.batches, settings.threads)
     pairs = rounds(

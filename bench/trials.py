@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.paired import PAIRED
-from engine import metrics
-from engine.distributed import free_port
+from engine.observability import metrics
+from engine.parallel.process_group import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = ROOT / "runs" / "bench"

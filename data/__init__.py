@@ -8,7 +8,6 @@ from torch.utils.data import Dataset
 
 from data.corpus import DEFAULT_CORPUS
 from data.image import load_image_datasets
-from data.kinds import DATA_TYPES_BY_FAMILY
 from data.loader import make_eval_loader, make_train_loader
 from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_indices
 from data.streaming import StreamedCorpus
@@ -31,6 +30,10 @@ __all__ = [
     "micro_batch_indices",
 ]
 
+# What a sample holds: token ids and their next-token labels, or an image and its class; and which
+# of them each data.type gives.
+SAMPLES = ("tokens", "images")
+_GIVES = {"text": ("tokens",), "tokens": ("tokens",), "image": ("images",), "synthetic": SAMPLES}
 SYNTHETIC_VOCAB_SIZE = 256
 SYNTHETIC_NUM_CLASSES = 10
 
@@ -52,7 +55,7 @@ class DataBundle:
 def build_datasets(
     data_cfg: Mapping[str, Any],
     *,
-    family: str,
+    samples: str,
     seed: int,
     seq_len: int | None,
     vocab_size: int | None,
@@ -60,18 +63,18 @@ def build_datasets(
 ) -> DataBundle:
     """Build the training and validation datasets a validated `data` config section describes.
 
-    `family` is "gpt" (samples of `seq_len` tokens and their next-token labels) or "resnet"
-    (images). `vocab_size` and `num_classes` come from the model config and size synthetic data
-    only; real data reports its own.
+    `samples` is what the model trains on (its family's `samples`): "tokens" (samples of `seq_len`
+    tokens and their next-token labels) or "images". `vocab_size` and `num_classes` come from the
+    model config and size synthetic data only; real data reports its own.
     """
     data_type = data_cfg["type"]
-    allowed = DATA_TYPES_BY_FAMILY.get(family)
-    if allowed is None:
-        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(DATA_TYPES_BY_FAMILY)}")
-    if data_type not in allowed:
-        raise ValueError(f"data.type {data_type!r} does not suit model family {family!r}; use one of {allowed}")
-    if family == "gpt" and seq_len is None:
-        raise ValueError("a gpt model needs seq_len to cut token samples")
+    if samples not in SAMPLES:
+        raise ValueError(f"samples {samples!r} are unknown; expected one of {', '.join(SAMPLES)}")
+    if samples not in _GIVES[data_type]:
+        gives = " or ".join(_GIVES[data_type])
+        raise ValueError(f"data.type {data_type!r} gives {gives}, not the {samples} the model trains on")
+    if samples == "tokens" and seq_len is None:
+        raise ValueError("a model trained on tokens needs seq_len to cut token samples")
 
     if data_type == "text" and data_cfg.get("streaming"):
         return _streaming_bundle(data_cfg, seq_len)
@@ -81,7 +84,7 @@ def build_datasets(
         return _tokens_bundle(data_cfg, seq_len)
     if data_type == "image":
         return _image_bundle(data_cfg, seed)
-    return _synthetic_bundle(data_cfg, family, seed, seq_len, vocab_size, num_classes)
+    return _synthetic_bundle(data_cfg, samples, seed, seq_len, vocab_size, num_classes)
 
 
 def _text_bundle(data_cfg: Mapping[str, Any], seq_len: int) -> DataBundle:
@@ -156,7 +159,7 @@ def _image_bundle(data_cfg: Mapping[str, Any], seed: int) -> DataBundle:
 
 def _synthetic_bundle(
     data_cfg: Mapping[str, Any],
-    family: str,
+    samples: str,
     seed: int,
     seq_len: int | None,
     vocab_size: int | None,
@@ -164,7 +167,7 @@ def _synthetic_bundle(
 ) -> DataBundle:
     num_samples = data_cfg["num_samples"]
     num_validation = max(1, int(num_samples * data_cfg["validation_fraction"]))
-    if family == "gpt":
+    if samples == "tokens":
         vocab = SYNTHETIC_VOCAB_SIZE if vocab_size is None else vocab_size
         train = SyntheticTokens(num_samples, seq_len=seq_len, vocab_size=vocab, seed=seed, split="train")
         validation = SyntheticTokens(num_validation, seq_len=seq_len, vocab_size=vocab, seed=seed, split="validation")

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,9 +16,9 @@ import yaml
 from engine.config import ConfigError, load_config
 from engine.config.reference import render_reference
 from engine.config.schema import SCHEMA
-from engine.hardware import detect_hardware
-from engine.launch.detect import ACCELERATE_WRAPPERS, accelerate_settings
+from engine.launch.detect import accelerate_settings
 from engine.launch.environment import write_launch_env
+from engine.launch.hardware import detect_hardware
 from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
 from engine.parallel.layout import parallel_layout
 from engine.prepare import RunError, check_data
@@ -43,7 +44,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from engine.run import run
+    from engine.session import run
 
     return run(args.deepspeed_config, args.overrides)
 
@@ -75,12 +76,12 @@ def _validate(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     doc = config.document
-    if config.trainer["backend"] == "accelerate":
-        sharding = f"accelerate {ACCELERATE_WRAPPERS[config.zero_stage]}"
+    if config.trainer.backend == "accelerate":
+        sharding = f"accelerate {config.accelerate_wrapper}"
     else:
         sharding = f"DeepSpeed ZeRO-{config.zero_stage}"
     print(
-        f"{args.config}: valid for {args.world_size} rank(s): {config.model['family']} {config.model['preset']}, "
+        f"{args.config}: valid for {args.world_size} rank(s): {config.model.family} {config.model.preset}, "
         f"{sharding}, {config.precision_label}, data-parallel {config.dp_size}, "
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
@@ -166,17 +167,17 @@ def _prepare_data(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     data = config.data
-    if data["type"] != "text" or data["streaming"]:
-        what = "streams its text as it trains" if data["type"] == "text" else f'has data.type "{data["type"]}"'
+    if data.type != "text" or data.streaming:
+        what = "streams its text as it trains" if data.type == "text" else f'has data.type "{data.type}"'
         print(f"prepare-data: {args.config} {what}: there is no text corpus to tokenize ahead", file=sys.stderr)
         return 2
     try:
         prepared, tokenizer = prepare_text(
-            text_paths(data["path"]),
-            tokenizer=data["tokenizer"],
-            text_field=data["text_field"],
-            cache_dir=Path(data["cache_dir"]),
-            timeout_s=data["cache_timeout_s"],
+            text_paths(data.path),
+            tokenizer=data.tokenizer,
+            text_field=data.text_field,
+            cache_dir=Path(data.cache_dir),
+            timeout_s=data.cache_timeout_s,
         )
     except (ValueError, TimeoutError) as error:
         print(f"data error: {error}", file=sys.stderr)
@@ -186,7 +187,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _plot(run_dir: Path) -> int:
-    from engine.plots import write_plots
+    from engine.observability.plots import write_plots
 
     try:
         paths = write_plots(run_dir)
@@ -280,29 +281,44 @@ def main(argv: list[str] | None = None) -> int:
     docs.add_argument("--output", type=Path, default=Path("docs/config_reference.md"))
 
     args = parser.parse_args(argv)
-    if args.command == "validate":
-        return _validate(args)
-    if args.command == "train":
-        return train_main(["--deepspeed_config", args.config, *(f"--set={item}" for item in args.overrides)])
-    if args.command == "accelerate-config":
-        return _accelerate_config(args)
-    if args.command == "launch-env":
-        try:
-            variables = write_launch_env(args.output)
-        except ValueError as error:
-            print(f"launch environment: {error}", file=sys.stderr)
-            return 2
-        print(f"every rank gets: {', '.join(sorted(variables)) or '(nothing beyond DeepSpeed defaults)'}")
-        return 0
-    if args.command in ("plan", "explain"):
-        return _plan(args)
-    if args.command == "prepare-data":
-        return _prepare_data(args)
-    if args.command == "plot":
-        return _plot(args.run_dir)
-    if args.command == "schema":
-        print(json.dumps(SCHEMA, indent=2))
-        return 0
+    return COMMANDS[args.command](args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    return train_main(["--deepspeed_config", args.config, *(f"--set={item}" for item in args.overrides)])
+
+
+def _launch_env(args: argparse.Namespace) -> int:
+    try:
+        variables = write_launch_env(args.output)
+    except ValueError as error:
+        print(f"launch environment: {error}", file=sys.stderr)
+        return 2
+    print(f"every rank gets: {', '.join(sorted(variables)) or '(nothing beyond DeepSpeed defaults)'}")
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    print(json.dumps(SCHEMA, indent=2))
+    return 0
+
+
+def _docs(args: argparse.Namespace) -> int:
     args.output.write_text(render_reference())
     print(f"wrote {args.output}")
     return 0
+
+
+# `python -m engine COMMAND`: what each command runs (the parser above declares their arguments).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": _validate,
+    "train": _train,
+    "accelerate-config": _accelerate_config,
+    "launch-env": _launch_env,
+    "plan": _plan,
+    "explain": _plan,
+    "prepare-data": _prepare_data,
+    "plot": lambda args: _plot(args.run_dir),
+    "schema": _schema,
+    "docs": _docs,
+}

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import Backend
-from engine.distributed import all_reduce_sum, gather_to_main
-from engine.flops import achieved_flops_per_device, mfu
-from engine.memory import rank_memory
-from engine.metrics import MetricsLogger
-from engine.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
-from engine.step_phases import PhaseTimer
+from engine.backends.base import Backend, StepHooks
+from engine.failures.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
+from engine.observability.flops import achieved_flops_per_device, mfu
+from engine.observability.memory import rank_memory
+from engine.observability.metrics import MetricsLogger
+from engine.observability.step_phases import PhaseTimer
+from engine.parallel.process_group import all_reduce_sum, gather_to_main
 from models import ModelFamily
 
 
@@ -33,7 +33,7 @@ class LoopSettings:
     throughput_key: str  # "tokens_per_s" or "images_per_s"
     world_size: int
     nonfinite: NonfinitePolicy
-    flops_per_item: int  # model FLOPs to train on one token or image (engine/flops.py)
+    flops_per_item: int  # model FLOPs to train on one token or image (ModelFamily.flops_per_item)
     peak_flops: float | None  # one device's dense peak, None where no MFU is claimed
 
 
@@ -50,33 +50,31 @@ def train(
     eval_batches: Callable[[], Iterable[Mapping[str, torch.Tensor]]],
     settings: LoopSettings,
     logger: MetricsLogger,
-    save: Callable[[int], None],
+    save: Callable[[int], object],
     start_step: int,
-    after_step: Callable[[int], None] = lambda step: None,
-    before_step: Callable[[int], None] = lambda step: None,
+    hooks: StepHooks,
 ) -> int:
-    """Run from `start_step` to `settings.max_steps`; returns the last step saved.
-    `before_step` and `after_step` run around each optimizer step (the fault-injection points)."""
+    """Run from `start_step` to `settings.max_steps`; returns the last step saved. `hooks` are
+    called around each optimizer step."""
     step, saved = start_step, start_step
     window_start, window_steps = time.perf_counter(), 0
     guard = NonfiniteGuard(settings.nonfinite)
     while step < settings.max_steps:
         lr = backend.learning_rate()
-        before_step(step + 1)
+        hooks.before_step(step + 1)
         eval_due = step + 1 == settings.max_steps or (
             settings.eval_interval and (step + 1) % settings.eval_interval == 0
         )
         logged = eval_due or (step + 1) % settings.log_interval == 0
-        backend.phase_timer = PhaseTimer(backend.device) if logged else None
         skipped_before = backend.skipped_steps()
-        loss = backend.train_step(batches)
+        loss = backend.train_step(batches, PhaseTimer(backend.device) if logged else None)
         step += 1
         window_steps += 1
         health = step_health(loss, update_dropped=backend.skipped_steps() > skipped_before)
         note = guard.check(step, health, backend.loss_scale())
         if note is not None:
             logger.write(note)
-        after_step(step)
+        hooks.after_step(step)
 
         if logged:
             elapsed = time.perf_counter() - window_start
@@ -89,7 +87,7 @@ def train(
             }
             if eval_due:
                 record.update(evaluate(backend, family, eval_batches()))
-            ranks = gather_to_main(rank_memory(backend))
+            ranks = gather_to_main(rank_memory(backend.state_watch))
             if ranks is not None:
                 record["ranks"] = ranks
             logger.log(record)
@@ -104,7 +102,7 @@ def step_metrics(backend: Backend, settings: LoopSettings, elapsed: float, steps
     """Speed over the steps since the last log, and the last step's norm, phases and loss scale.
 
     The window's wall time includes the synchronised phases of its last step (see
-    engine/step_phases.py), so throughput stays the honest average over the window."""
+    engine/observability/step_phases.py), so throughput stays the honest average over the window."""
     items_per_s = settings.items_per_step * steps / elapsed
     metrics = {
         settings.throughput_key: items_per_s,

@@ -13,16 +13,16 @@ import torch
 from data import DataBundle, batches_per_epoch, build_datasets
 from data.streaming import StreamedCorpus
 from data.tokens.external import check_ids_below
+from engine.backends.optim import exempts_vectors
 from engine.checkpoints.integrity import check_intact
-from engine.checkpoints.layout import layout_record, needs_conversion, read_layout
-from engine.checkpoints.store import published_tags, resume_target, tag_step
+from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layout
+from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
-from engine.distributed import env_world_size
 from engine.failures.faults import Fault, fault_from_env
-from engine.hardware import Hardware, detect_hardware
 from engine.launch.detect import launch_problems
-from engine.optim import exempts_vectors
+from engine.launch.hardware import Hardware, detect_hardware
 from engine.parallel.layout import parallel_layout
+from engine.parallel.process_group import env_world_size
 from models import get_family
 
 
@@ -33,12 +33,12 @@ class RunError(Exception):
 def load_data(config: EngineConfig) -> DataBundle:
     try:
         bundle = build_datasets(
-            config.data,
-            family=config.model["family"],
-            seed=config.trainer["seed"],
-            seq_len=config.data["seq_len"],
-            vocab_size=None if config.model.get("vocab_size", "auto") == "auto" else config.model["vocab_size"],
-            num_classes=config.model.get("num_classes"),
+            config.data.as_mapping(),
+            samples=get_family(config.model.family).samples,
+            seed=config.trainer.seed,
+            seq_len=config.data.seq_len,
+            vocab_size=None if config.model.fields.get("vocab_size", "auto") == "auto" else config.model.vocab_size,
+            num_classes=config.model.num_classes,
         )
         # The sampler's own check, here rather than in the first step, after every process group.
         if not isinstance(bundle.train, StreamedCorpus):
@@ -54,7 +54,7 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
     A resumed run keeps the vocabulary of the checkpoint (`saved_vocab_size`), which "auto" may
     have padded for another tensor-parallel degree. Token files are checked id by id (their largest
     id, scanned once and cached): a file another tokenizer wrote can hold ids beyond its own."""
-    configured = config.model.get("vocab_size", "auto")
+    configured = config.model.fields.get("vocab_size", "auto")
     if bundle.vocab_size is None and bundle.token_files and configured == "auto" and saved_vocab_size is None:
         raise ConfigError(
             [
@@ -69,13 +69,13 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
         )
     if bundle.vocab_size is not None:
         config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
-        if config.model["vocab_size"] < bundle.vocab_size:
+        if config.model.vocab_size < bundle.vocab_size:
             raise ConfigError(
                 [
                     ConfigIssue(
                         "model.vocab_size",
-                        f"{config.model['vocab_size']} is smaller than the tokenizer's {bundle.vocab_size} tokens "
-                        f'(data.tokenizer "{config.data["tokenizer"]}"); raise it or use "auto"',
+                        f"{config.model.vocab_size} is smaller than the tokenizer's {bundle.vocab_size} tokens "
+                        f'(data.tokenizer "{config.data.tokenizer}"); raise it or use "auto"',
                     )
                 ],
                 str(config.source),
@@ -84,27 +84,27 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
         config = config.with_vocab_size(saved_vocab_size)
     if bundle.token_files:
         try:
-            check_ids_below(bundle.token_files, config.model["vocab_size"], cache_dir=_cache_dir(config))
+            check_ids_below(bundle.token_files, config.model.vocab_size, cache_dir=_cache_dir(config))
         except ValueError as error:
             raise RunError(f"data error: {error}") from None
     return config
 
 
 def _cache_dir(config: EngineConfig) -> Path | None:
-    return Path(config.data["cache_dir"]) if config.data.get("cache_dir", "auto") != "auto" else None
+    return Path(config.data.cache_dir) if config.data.cache_dir != "auto" else None
 
 
 def check_classes(config: EngineConfig, bundle: DataBundle) -> None:
     """Refuse a classifier with fewer outputs than the data has classes: its loss would fail in the
     first forward (on a GPU as a device-side assert), after every process group had started."""
-    if bundle.num_classes is None or config.model["num_classes"] >= bundle.num_classes:
+    if bundle.num_classes is None or config.model.num_classes >= bundle.num_classes:
         return
     raise ConfigError(
         [
             ConfigIssue(
                 "model.num_classes",
-                f"{config.model['num_classes']} is fewer than the {bundle.num_classes} classes of the data "
-                f'(data.type "{config.data["type"]}"); raise it to at least {bundle.num_classes}',
+                f"{config.model.num_classes} is fewer than the {bundle.num_classes} classes of the data "
+                f'(data.type "{config.data.type}"); raise it to at least {bundle.num_classes}',
             )
         ],
         str(config.source),
@@ -129,9 +129,9 @@ class Prepared:
     config: EngineConfig
     data: DataBundle
     hardware: Hardware
-    resume: tuple[Path, str] | None
-    saved_layout: dict | None  # the layout that saved the checkpoint resumed from
-    layout: dict  # this run's, recorded with each of its checkpoints
+    resume: CheckpointRef | None
+    saved_layout: SavedLayout | None  # the layout that saved the checkpoint resumed from
+    layout: SavedLayout  # this run's, recorded with each of its checkpoints
     reshape: bool  # saved on another layout: resume through a universal checkpoint
     fault: Fault | None
 
@@ -140,48 +140,48 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     """Everything that can fail because of user input, done before any process group exists."""
     hardware = detect_hardware()
     config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
-    problems = launch_problems(config.trainer["backend"], config.precision, config.world_size)
+    problems = launch_problems(config.trainer.backend, config.precision, config.world_size)
     if problems:
         raise RunError("launch error:\n  " + "\n  ".join(problems))
-    torch.set_num_threads(config.trainer["threads_per_rank"])
+    torch.set_num_threads(config.trainer.threads_per_rank)
     bundle = load_data(config)
     try:
-        resume = resume_target(config.trainer["resume"], Path(config.trainer["output_dir"]))
-        check_steps_left(resume, config.trainer["max_steps"])
-        saved = read_layout(resume[0] / resume[1]) if resume else None
+        resume = resume_target(config.trainer.resume, Path(config.trainer.output_dir))
+        check_steps_left(resume, config.trainer.max_steps)
+        saved = read_layout(resume.path) if resume else None
         if resume is not None:
-            others = [tag for tag in reversed(published_tags(resume[0])) if tag != resume[1]]
-            check_intact(resume[0] / resume[1], saved, others)
-        config = settle_vocabulary(config, bundle, saved["vocab_size"] if saved else None)
+            others = [tag for tag in reversed(published_tags(resume.root)) if tag != resume.tag]
+            check_intact(resume.path, saved, others)
+        config = settle_vocabulary(config, bundle, saved.vocab_size if saved is not None else None)
         check_classes(config, bundle)
-        get_family(config.model["family"]).check_init_from(config.model)
+        get_family(config.model.family).check_init_from(config.model.fields)
         layout = checkpoint_layout(config, bundle)
-        reshape = resume is not None and needs_conversion(saved, layout, resume[0] / resume[1])
+        reshape = resume is not None and needs_conversion(saved, layout, resume.path)
         fault = fault_from_env()
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
     return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
 
 
-def check_steps_left(resume: tuple[Path, str] | None, max_steps: int) -> None:
+def check_steps_left(resume: CheckpointRef | None, max_steps: int) -> None:
     """A checkpoint past `trainer.max_steps` would load, train nothing and export it as it was."""
-    step = tag_step(resume[1]) if resume is not None else None
+    step = resume.step if resume is not None else None
     if step is not None and step > max_steps:
         raise RunError(
-            f"trainer.max_steps: {max_steps} is below step {step} of checkpoint {resume[0] / resume[1]}; raise it "
+            f"trainer.max_steps: {max_steps} is below step {step} of checkpoint {resume.path}; raise it "
             f"to train on, or set it to {step} to export the checkpoint as it is"
         )
 
 
-def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> dict:
-    """The record every checkpoint of this run keeps (`engine.checkpoints.layout.layout_record`)."""
+def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> SavedLayout:
+    """The record every checkpoint of this run keeps (`engine.checkpoints.reshape.SavedLayout`)."""
     layout = parallel_layout(config)
-    vocab_size = config.model.get("vocab_size") if config.model["family"] == "gpt" else None
-    groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer["weight_decay_on"]) else 1
+    vocab_size = config.model.vocab_size if get_family(config.model.family).uses_vocabulary else None
+    groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer.weight_decay_on) else 1
     tokenizer = bundle.tokenizer.fingerprint if bundle.tokenizer is not None else None
     streamed = isinstance(bundle.train, StreamedCorpus)
-    return layout_record(
-        config.trainer["backend"],
+    return SavedLayout(
+        config.trainer.backend,
         layout.data,
         layout.pipeline,
         layout.tensor,

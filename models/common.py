@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 AUTO = "auto"
@@ -68,3 +70,10 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     that no optimizer keeps and that each rank updates on its own."""
     parameters = {id(parameter) for parameter in module.parameters()}
     return {name: tensor for name, tensor in module.state_dict(keep_vars=True).items() if id(tensor) not in parameters}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch alike on every rank, so that every rank builds the same weights."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

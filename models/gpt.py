@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
+from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan, tied_logits
 
 if TYPE_CHECKING:
@@ -34,6 +35,48 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     "1.5B": {"n_layer": 48, "n_head": 25, "n_embd": 1600, **_GPT2_CONTEXT},
 }
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+
+# The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
+MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
+    "preset": {"enum": list(PRESETS), "description": "GPT-2 size; explicit fields below override it."},
+    "n_layer": {"type": "integer", "minimum": 1, "description": "Transformer blocks (overrides the preset)."},
+    "n_head": {
+        "type": "integer",
+        "minimum": 1,
+        "description": "Attention heads; must divide n_embd (overrides the preset).",
+    },
+    "n_embd": {"type": "integer", "minimum": 1, "description": "Model width (overrides the preset)."},
+    "n_positions": {
+        "type": "integer",
+        "minimum": 1,
+        "description": "Longest sequence the position table covers (overrides the preset).",
+    },
+    "vocab_size": {
+        "anyOf": [{"type": "integer", "minimum": 1}, {"const": AUTO}],
+        "description": 'Vocabulary size; "auto" (the default, taking over from the preset): the tokenizer\'s '
+        "vocabulary size, rounded up to a multiple of parallel.tensor_parallel_size so the embedding splits "
+        "evenly. The GPT-2 presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set "
+        "50257 (or 50304, padded as nanoGPT pads it) for a model of the preset's size.",
+    },
+    "dropout": {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMaximum": 1,
+        "description": "Dropout on embeddings, attention and residuals.",
+        "default": 0.0,
+    },
+    "attn_implementation": {
+        "enum": ["sdpa", "eager"],
+        "description": "Attention kernel used by transformers.",
+        "default": "sdpa",
+    },
+}
+# Trained on token samples, `data.seq_len` of them each; the vocabulary comes from the tokenizer.
+DATA_TYPES = ("text", "tokens", "synthetic")
+SAMPLES = "tokens"
+THROUGHPUT_KEY = "tokens_per_s"
+USES_VOCABULARY = True
+SUGGESTS_CHECKPOINTING = True
 
 _EMBEDDING_KEY = "transformer.wte.weight"
 _HEAD_KEY = "lm_head.weight"
@@ -225,6 +268,114 @@ def _one_embedding_key(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     if embedding is not head and not torch.equal(embedding, head):
         raise ValueError(f"{_EMBEDDING_KEY} and {_HEAD_KEY} differ, but the model ties them into one tensor")
     return weights
+
+
+# -- Config checks, FLOPs and the planner's estimates ------------------------------------------
+
+
+def config_issues(
+    section: Mapping[str, Any], data: Mapping[str, Any], micro_batch: int | None
+) -> Iterator[tuple[str, str]]:
+    """What the schema cannot say about a GPT config: (JSON path, how to fix it) pairs."""
+    arch = architecture(section)
+    if arch["n_embd"] % arch["n_head"]:
+        yield (
+            "model.n_head",
+            f"{arch['n_head']} heads do not divide n_embd {arch['n_embd']}; pick a head count that divides the width",
+        )
+    seq_len = data.get("seq_len", AUTO)
+    if seq_len != AUTO and seq_len > arch["n_positions"]:
+        yield (
+            "data.seq_len",
+            f"{seq_len} is longer than model.n_positions {arch['n_positions']}; shorten it or raise n_positions",
+        )
+    vocab = arch["vocab_size"]
+    if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
+        yield "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
+
+
+def items_per_sample(data: Mapping[str, Any]) -> int:
+    """Throughput and MFU count tokens: a sample holds `data.seq_len` of them."""
+    return data["seq_len"]
+
+
+def flop_parameters(n_layer: int, n_embd: int, vocab_size: int) -> int:
+    """N of the "6N" term: GPT-2's parameters without the position table, from its shape.
+
+    The position table is a lookup, no matmul, so it is left out; the token table is counted once, as
+    the weight of the tied logits matmul. Biases and LayerNorms stay in, as nanoGPT's `get_num_params()`
+    keeps them (0.1% of GPT-2 124M), so the figures compare with nanoGPT's. Computed from the shape,
+    not counted on the model: under ZeRO-3, tensor or pipeline parallelism a rank holds only a shard.
+    """
+    per_layer = (
+        (n_embd * 3 * n_embd + 3 * n_embd)  # query, key and value projection
+        + (n_embd * n_embd + n_embd)  # attention output projection
+        + (n_embd * 4 * n_embd + 4 * n_embd)  # MLP up projection
+        + (4 * n_embd * n_embd + n_embd)  # MLP down projection
+        + 2 * 2 * n_embd  # two LayerNorms, weight and bias
+    )
+    final_norm = 2 * n_embd
+    return n_layer * per_layer + final_norm + vocab_size * n_embd
+
+
+def flops_per_token(n_layer: int, n_embd: int, vocab_size: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6N plus attention, as nanoGPT's `estimate_mfu` and PaLM appendix B.
+
+    Attention's scores and weighted sum are matmuls without weights, seq_len * n_embd multiply-adds
+    each per layer and token: 12 * n_layer * n_embd * seq_len for training. The causal mask's unused
+    half is counted, as PaLM and Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473) count it.
+    `seq_len` is the length trained on (`data.seq_len`), not `n_positions`.
+    """
+    n_params = flop_parameters(n_layer, n_embd, vocab_size)
+    attention = FLOPS_PER_MAC * TRAINING_PASSES * 2 * n_layer * n_embd * seq_len
+    return FLOPS_PER_MAC * TRAINING_PASSES * n_params + attention
+
+
+def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
+    """Training FLOPs per token at the trained sequence length; `arch` has its vocabulary settled."""
+    return flops_per_token(arch["n_layer"], arch["n_embd"], arch["vocab_size"], data["seq_len"])
+
+
+def activation_bytes(
+    arch: Mapping[str, Any],
+    seq_len: int,
+    micro_batch: int,
+    layers: int,
+    tensor: int,
+    element: int,
+    checkpointing: bool,
+    last_stage: bool,
+) -> int:
+    """Activations one micro-batch leaves for backward on one rank: per transformer layer
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2 bytes per element (Korthikanti et al. 2022,
+    arXiv:2205.05198, eq. 2 with tensor parallelism, no sequence parallelism), scaled to the training
+    dtype; with activation checkpointing only each layer's input (s*b*h elements) plus one layer
+    recomputed at a time. The last stage adds the fp32 logits and their gradient."""
+    hidden, heads = arch["n_embd"], arch["n_head"]
+    per_layer_16bit = seq_len * micro_batch * hidden * (10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor))
+    full_layer = int(per_layer_16bit * element / 2)
+    if checkpointing:
+        kept = layers * seq_len * micro_batch * hidden * element + (full_layer if layers else 0)
+    else:
+        kept = layers * full_layer
+    logits = 2 * 4 * seq_len * micro_batch * arch["vocab_size"] // tensor if last_stage else 0
+    return kept + logits
+
+
+def plan_activations(shape: PlanShape) -> ActivationEstimate:
+    """Activations by formula (`activation_bytes`); every stage boundary and tensor-parallel
+    all-reduce moves one hidden state of the micro-batch's tokens."""
+    arch = architecture(shape.section) | {"vocab_size": shape.section.get("vocab_size")}
+    seq_len = shape.data["seq_len"]
+
+    def stage_bytes(stage: int, blocks: int, checkpointing: bool) -> int:
+        last = stage == shape.stages - 1
+        return activation_bytes(
+            arch, seq_len, shape.micro_batch, blocks, shape.tensor, shape.element, checkpointing, last
+        )
+
+    tokens, hidden = shape.micro_batch * seq_len, arch["n_embd"]
+    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1))
 
 
 # -- Parallel forms ---------------------------------------------------------------------------

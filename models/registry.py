@@ -1,12 +1,14 @@
-"""One entry per model family: its presets, builder, loss, evaluation, export and parallel forms.
+"""One entry per model family: everything the engine knows of it. Presets, schema and config checks,
+the data it trains on, builder, loss, evaluation, export, parallel forms, FLOPs and the planner's
+estimates.
 
-Adding a family means writing one module that exposes the names `_family` reads, and adding it
-to `FAMILIES`.
+Adding a family means writing one module that exposes the names `_family` reads, and adding it to
+`FAMILIES`; nothing outside models/ names a family (tests/unit/test_registry.py greps for it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from models import gpt, resnet
+from models.costs import ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan
 
 Batch = Mapping[str, torch.Tensor]
@@ -51,10 +54,33 @@ class ModelFamily:
     repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
     `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
     only ever holds its share of the weights (engine/parallel/zero3_init.py).
+
+    Config: `model_schema` holds the JSON Schema of the model section's own keys (the schema adds
+    those every family has); `config_issues(section, data, micro_batch)` yields (JSON path, message)
+    pairs for what the schema cannot say (`micro_batch` None while "auto").
+    Data: `data_types` are the `data.type` values it trains on; `samples` is what a sample of them
+    holds for it ("tokens" or "images", as data.build_datasets takes it); `uses_vocabulary`: its
+    `model.vocab_size` comes from the tokenizer.
+    Throughput: `items_per_sample(data)` items (tokens, images) in one sample, reported as
+    `throughput_key`; `flops_per_item(architecture, data)` model FLOPs to train on one item
+    (models/costs.py), `architecture` with its vocabulary settled.
+    Planner: `plan_activations(shape)` estimates activations and the tensors stages and
+    tensor-parallel layers send; `suggests_checkpointing`: `plan --suggest` tries
+    `model.activation_checkpointing` on it.
     """
 
     name: str
     presets: Mapping[str, Mapping[str, Any]]
+    model_schema: Mapping[str, Mapping[str, Any]]
+    config_issues: Callable[[Mapping[str, Any], Mapping[str, Any], int | None], Iterator[tuple[str, str]]]
+    data_types: tuple[str, ...]
+    samples: str
+    uses_vocabulary: bool
+    items_per_sample: Callable[[Mapping[str, Any]], int]
+    throughput_key: str
+    flops_per_item: Callable[[Mapping[str, Any], Mapping[str, Any]], int]
+    plan_activations: Callable[[PlanShape], ActivationEstimate]
+    suggests_checkpointing: bool
     architecture: Callable[[Mapping[str, Any]], dict[str, Any]]
     build: Callable[[Mapping[str, Any]], torch.nn.Module]
     check_init_from: Callable[[Mapping[str, Any]], None]
@@ -74,6 +100,16 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
     return ModelFamily(
         name=name,
         presets=MappingProxyType(module.PRESETS),
+        model_schema=MappingProxyType(module.MODEL_SCHEMA),
+        config_issues=module.config_issues,
+        data_types=module.DATA_TYPES,
+        samples=module.SAMPLES,
+        uses_vocabulary=module.USES_VOCABULARY,
+        items_per_sample=module.items_per_sample,
+        throughput_key=module.THROUGHPUT_KEY,
+        flops_per_item=module.flops_per_item,
+        plan_activations=module.plan_activations,
+        suggests_checkpointing=module.SUGGESTS_CHECKPOINTING,
         architecture=module.architecture,
         build=module.build,
         check_init_from=module.check_init_from,

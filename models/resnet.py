@@ -23,6 +23,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
+from models.costs import (
+    FLOPS_PER_MAC,
+    TRAINING_PASSES,
+    ActivationEstimate,
+    PlanShape,
+    forward_macs,
+    module_output_bytes,
+)
 
 IMPLEMENTATIONS = ("torchvision", "transformers")
 # torchvision initialises its ResNet in the constructor, after its submodules exist: under
@@ -38,6 +46,24 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     "resnet101": {"block": "bottleneck", "depths": (3, 4, 23, 3)},
     "resnet152": {"block": "bottleneck", "depths": (3, 8, 36, 3)},
 }
+# The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
+MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
+    "preset": {"enum": list(PRESETS), "description": "ResNet depth."},
+    "num_classes": {"type": "integer", "minimum": 2, "description": "Classifier outputs.", "default": 1000},
+    "implementation": {
+        "enum": [AUTO, *IMPLEMENTATIONS],
+        "description": '"auto": torchvision where it imports, transformers\' ResNet otherwise (same architecture).',
+        "default": AUTO,
+    },
+}
+# Trained on labelled images, counted one by one; the classes come from the model section.
+DATA_TYPES = ("image", "synthetic")
+SAMPLES = "images"
+THROUGHPUT_KEY = "images_per_s"
+USES_VOCABULARY = False
+# `plan --suggest` does not try model.activation_checkpointing on a ResNet, whose checkpointed
+# activations are only estimated, as a flat quarter of the whole (`plan_activations`).
+SUGGESTS_CHECKPOINTING = False
 _STAGE_WIDTHS = (64, 128, 256, 512)
 _EXPANSION = {"basic": 1, "bottleneck": 4}  # a bottleneck block outputs four times its width
 
@@ -254,6 +280,69 @@ def _check_export(arch: Mapping[str, Any], path: Path) -> None:
             f"model.init_from {path} has a different architecture: {', '.join(differences)}; "
             "set the model section to match the export"
         )
+
+
+# -- Config checks, FLOPs and the planner's estimates ------------------------------------------
+
+
+def config_issues(
+    section: Mapping[str, Any], data: Mapping[str, Any], micro_batch: int | None
+) -> Iterator[tuple[str, str]]:
+    """What the schema cannot say about a ResNet config: (JSON path, how to fix it) pairs."""
+    # Five stride-2 steps: a 32-pixel image ends as a 1x1 map, one value per channel per image,
+    # which training-mode BatchNorm cannot normalise.
+    if micro_batch == 1 and data["image_size"] <= 32:
+        yield (
+            "train_micro_batch_size_per_gpu",
+            f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
+            "last stage (a 1x1 map); use a micro-batch of 2 or more",
+        )
+    if section.get("implementation") == "torchvision" and not torchvision_available():
+        yield (
+            "model.implementation",
+            '"torchvision", but torchvision does not import here; use "auto" or "transformers" (same architecture)',
+        )
+
+
+def items_per_sample(data: Mapping[str, Any]) -> int:
+    """Throughput and MFU count images, one a sample."""
+    return 1
+
+
+def _meta_images(count: int, image_size: int) -> torch.Tensor:
+    with torch.device("meta"):
+        return torch.empty(count, 3, image_size, image_size)
+
+
+def flops_per_image(arch: Mapping[str, Any], image_size: int) -> int:
+    """Training FLOPs per image for an architecture (`architecture`'s output): the forward
+    multiply-adds (`forward_macs`) of the model built and run on the meta device, where shapes
+    propagate and nothing is allocated or computed; the run's own model is left alone."""
+    # Evaluation mode: training-mode BatchNorm refuses a one-image batch whose last feature map is 1x1
+    # (a 32-pixel CIFAR image); the multiply-adds are the same in either mode.
+    with torch.device("meta"):
+        model = build_module(arch).eval()
+    return FLOPS_PER_MAC * TRAINING_PASSES * forward_macs(model, _meta_images(1, image_size))
+
+
+def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
+    return flops_per_image(arch, data["image_size"])
+
+
+def plan_activations(shape: PlanShape) -> ActivationEstimate:
+    """Measured on the meta model: every leaf module's output, shared evenly by the stages, a quarter
+    of it under checkpointing; a stage sends the output of its last layer on."""
+    example = _meta_images(shape.micro_batch, shape.data["image_size"])
+    per_stage = module_output_bytes(shape.model, example, shape.element) // shape.stages
+
+    def stage_bytes(stage: int, blocks: int, checkpointing: bool) -> int:
+        return per_stage // 4 if checkpointing else per_stage
+
+    outputs, hidden = [], example
+    for layer in pipeline_layers(shape.model):
+        hidden = layer(hidden)
+        outputs.append(hidden.numel())
+    return ActivationEstimate(stage_bytes, 0, 0, [outputs[end - 1] for end in shape.parts[1:-1]])
 
 
 # -- Pipeline form ----------------------------------------------------------------------------

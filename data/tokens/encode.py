@@ -6,7 +6,7 @@ character by character in Python. A Hugging Face tokenizer gets batches of texts
 batched call, which its Rust core spreads over every core. A .txt document longer than
 HF_PIECE_CHARS is cut for it only after a newline that sits between two non-space characters: a
 byte-level BPE pre-tokenizer (GPT-2's, Llama 3's) splits there anyway, so the ids equal those of the
-whole document (tests/test_token_cache.py checks it on tinyshakespeare), while a 2 GB file never
+whole document (tests/unit/test_token_cache.py checks it on tinyshakespeare), while a 2 GB file never
 becomes one 2 GB string.
 """
 

@@ -8,7 +8,7 @@ to its backward as ZeRO-2 holds them through the step; either offload key moves 
 gradients and the optimizer step to the CPU (`CPUOffloadPolicy`). FSDP is applied with torch's own
 API rather than accelerate's plugin because the plugin does not shard on CPU: FSDP2 silently
 degrades to DDP there and FSDP1 fails looking for a device. Optimizer and schedule come from the
-same DeepSpeed keys (`engine/optim.py`); checkpoints are torch distributed checkpoints in the same
+same DeepSpeed keys (`engine/backends/optim.py`); checkpoints are torch distributed checkpoints in the same
 `checkpoints/stepNNNNNNNN` + `latest` layout as DeepSpeed's.
 """
 
@@ -36,26 +36,21 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.backends.base import Backend, Batch, to_device
+from engine.backends.base import Backend, BackendSettings, Batch, to_device
+from engine.backends.optim import (
+    build_optimizer,
+    build_scheduler,
+    group_settings,
+    parameter_groups,
+    restore_group_settings,
+)
 from engine.checkpoints.from_torch import ENGINE_STATE
 from engine.checkpoints.to_torch import FullState, full_state, progress
 from engine.checkpoints.universal import canonical_names, save_names
-from engine.config import EngineConfig
-from engine.launch.detect import ACCELERATE_WRAPPERS
-from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import build_optimizer, build_scheduler, group_settings, parameter_groups, restore_group_settings
+from engine.observability.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.parallel.consolidate import tensor_names
 from models import ModelFamily
 from models.common import persistent_buffers
-
-
-def wrapper_for(config: EngineConfig) -> str:
-    return ACCELERATE_WRAPPERS[config.zero_stage]
-
-
-def offloads(config: EngineConfig) -> bool:
-    zero = config.document["zero_optimization"]
-    return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
 
 
 def local_parameter_elements(model: torch.nn.Module) -> int:
@@ -64,15 +59,15 @@ def local_parameter_elements(model: torch.nn.Module) -> int:
 
 
 class AccelerateBackend(Backend):
-    def __init__(self, model: torch.nn.Module, family: ModelFamily, config: EngineConfig, device: torch.device):
-        document = config.document
-        self.family, self.device = family, device
-        self.wrapper = wrapper_for(config)
+    def __init__(self, model: torch.nn.Module, settings: BackendSettings):
+        document, family, device = settings.deepspeed_config, settings.family, settings.device
+        self.family, self.device, self.hooks = family, device, settings.hooks
+        self.wrapper = settings.accelerate_wrapper
         self._accumulation = document["gradient_accumulation_steps"]
         self._clipping = document["gradient_clipping"]
-        self._autocast_dtype = torch.bfloat16 if config.precision == "bf16" else None
+        self._autocast_dtype = torch.bfloat16 if settings.precision == "bf16" else None
         self.accelerator = Accelerator(cpu=device.type == "cpu")
-        if config.trainer["compile"]:
+        if settings.compile:
             # Block by block, before any wrapper, as torchtitan does: identical blocks share one
             # compiled graph, and DDP's and FSDP2's hooks stay outside it.
             for unit in family.shard_units(model):
@@ -82,11 +77,11 @@ class AccelerateBackend(Backend):
             self.model = self.accelerator.prepare_model(model)
         else:
             full = self.wrapper == "fsdp_full"
-            self.model = _fully_shard(model, family, device, reshard=full, offload=offloads(config))
+            self.model = _fully_shard(model, family, device, reshard=full, offload=settings.offloads)
         self.optimizer = build_optimizer(
             document["optimizer"],
-            parameter_groups(self.model.parameters(), document["optimizer"], config.trainer["weight_decay_on"]),
-            fused=device.type == "cuda" and not offloads(config),
+            parameter_groups(self.model.parameters(), document["optimizer"], settings.weight_decay_on),
+            fused=device.type == "cuda" and not settings.offloads,
         )
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
         self._skipped = 0
@@ -96,7 +91,7 @@ class AccelerateBackend(Backend):
             self.optimizer,
             lambda: [p.grad for p in self.model.parameters()],
             self.model_state_tensors,
-            lambda: self.phase_timer is not None,
+            lambda: self.timing,
         )
 
     def model_state_tensors(self) -> ModelStateTensors:
@@ -141,7 +136,7 @@ class AccelerateBackend(Backend):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+    def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(self._accumulation):
@@ -149,7 +144,7 @@ class AccelerateBackend(Backend):
                 batch = to_device(next(batches), self.device, torch.float32)
             with self._gradient_sync(micro_step == self._accumulation - 1):
                 with self.phase("forward"), self._autocast():
-                    loss = self.hooked(self.family.compute_loss(self.model, batch))
+                    loss = self.hooks.on_loss(self.family.compute_loss(self.model, batch))
                 with self.phase("backward"):
                     (loss / self._accumulation).backward()
             loss_sum += loss.detach().float()

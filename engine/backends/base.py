@@ -1,21 +1,84 @@
-"""The interface the training loop programs against."""
+"""The contract between the step loop and a training backend: `Backend`, the `BackendSettings`
+every backend is built from, and the `StepHooks` through which faults, benchmarks and tests step
+into a run without the loop or any backend knowing them."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.step_phases import PhaseTimer
+from engine.config.rules import ACCELERATE_WRAPPERS
+from engine.observability.memory import StepWatch
+from engine.observability.step_phases import PhaseTimer
+from engine.parallel.layout import ParallelLayout
+from models import ModelFamily
 
 if TYPE_CHECKING:
     from deepspeed.monitor.monitor import MonitorMaster
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 Batch = Mapping[str, torch.Tensor]
+
+
+class StepHooks:
+    """Points where code outside the engine steps into a run; each does nothing here.
+
+    The fault injector (engine/failures/faults.py) and the paired benchmarks (bench/paired.py)
+    subclass it; the loop and the backends call it and know nothing else of them."""
+
+    def before_step(self, step: int) -> None:
+        """Optimizer step `step` (counted from 1) is about to start."""
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Each micro-batch loss, before backward; returns the loss to differentiate."""
+        return loss
+
+    def after_step(self, step: int) -> None:
+        """Step `step` is done and its health checked (a non-finite step never gets here)."""
+
+    def before_publish(self, step: int) -> None:
+        """This rank's files of the checkpoint of `step` are written; the checkpoint is not yet published."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """Everything a backend is built from besides the model: one shape for every backend.
+
+    `deepspeed_config` holds the config's DeepSpeed keys, as `deepspeed.initialize` takes them; the
+    accelerate backend reads the same keys (engine/backends/optim.py). `grid` is DeepSpeed's
+    process-group grid where the layout splits the model."""
+
+    family: ModelFamily
+    device: torch.device
+    input_dtype: torch.dtype  # what floating inputs are cast to: the weights' dtype
+    deepspeed_config: dict[str, Any]
+    precision: str  # "fp32", "bf16" or "fp16": the weights' dtype in training
+    weight_decay_on: str
+    layout: ParallelLayout
+    pipeline_partition_method: str
+    pipeline_activation_checkpoint_interval: int
+    hooks: StepHooks
+    compile: bool  # trainer.compile
+    grid: PipelineParallelGrid | None = None
+
+    @property
+    def accelerate_wrapper(self) -> str:
+        return ACCELERATE_WRAPPERS[self.zero_stage]
+
+    @property
+    def zero_stage(self) -> int:
+        return self.deepspeed_config["zero_optimization"]["stage"]
+
+    @property
+    def offloads(self) -> bool:
+        zero = self.deepspeed_config["zero_optimization"]
+        return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
 
 
 class Backend(ABC):
@@ -27,20 +90,30 @@ class Backend(ABC):
     """
 
     device: torch.device
-    # Applied to every micro-batch loss before backward while set: the `nan` fault's entry point
-    # (engine/failures/faults.py), a hook so that no backend knows about faults.
-    loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # Set by the loop for the steps it logs: train_step then times its phases (engine/step_phases.py).
-    phase_timer: PhaseTimer | None = None
+    hooks: StepHooks
+    # Counts model-state bytes at the optimizer step of timed steps (engine/observability/memory.py).
+    state_watch: StepWatch
     # Whether the model runs through torch.compile (`trainer.compile`), as the library reports it.
     compiled: bool = False
+    # The timer of the step in progress, when the loop times it (its logged steps).
+    _timer: PhaseTimer | None = None
 
-    @abstractmethod
-    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """One optimizer step over the next gradient_accumulation_steps micro-batches.
+    def train_step(self, batches: Iterator[Batch], timer: PhaseTimer | None = None) -> torch.Tensor:
+        """One optimizer step over the next gradient_accumulation_steps micro-batches, its phases
+        timed into `timer` when one is given (engine/observability/step_phases.py).
 
         Returns a loss on the device (no host sync) whose mean over all ranks is the step's mean loss.
         """
+        self._timer = timer
+        return self._train_step(batches)
+
+    @abstractmethod
+    def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor: ...
+
+    @property
+    def timing(self) -> bool:
+        """Whether the step in progress is timed: measurements that cost a sync happen only then."""
+        return self._timer is not None
 
     @abstractmethod
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
@@ -66,7 +139,7 @@ class Backend(ABC):
         """fp16's current loss scale; None where no loss scaler runs."""
 
     def deepspeed_monitor(self) -> MonitorMaster | None:
-        """DeepSpeed's engine monitor, which the metric sinks reuse (`engine/sinks.py`): one writer
+        """DeepSpeed's engine monitor, which the metric sinks reuse (`engine/observability/sinks.py`): one writer
         per directory. None where no DeepSpeed engine runs."""
         return None
 
@@ -76,14 +149,20 @@ class Backend(ABC):
         return None
 
     def step_breakdown(self) -> dict[str, float] | None:
-        """Seconds of the last timed step by phase (data, forward, backward, step, ...)."""
-        return None if self.phase_timer is None else dict(self.phase_timer.seconds)
+        """Seconds of the last step by phase (data, forward, backward, step, ...), if it was timed."""
+        return None if self._timer is None else dict(self._timer.seconds)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
-        return nullcontext() if self.phase_timer is None else self.phase_timer.phase(name)
+        return nullcontext() if self._timer is None else self._timer.phase(name)
 
-    def hooked(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.loss_hook is None else self.loss_hook(loss)
+    def stage_layers(self) -> list[str] | None:
+        """Each pipeline stage's layer range, for the start-up layout table; None without stages."""
+        return None
+
+    def finish(self, output_dir: Path, write_line: Callable[[str], None]) -> None:
+        """Collective, once after the last step: whatever this backend reports of the run (a
+        pipeline's measured schedule). Nothing by default."""
+        return None
 
     @abstractmethod
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
@@ -101,7 +180,7 @@ class Backend(ABC):
     @abstractmethod
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:
         """Every rank restores checkpoint `tag_dir`, saved on another layout, from the universal form
-        `engine.run.reshape_checkpoint` converted it to; returns the client state saved with it."""
+        `engine.checkpoints.manager.CheckpointManager` converted it to; returns the client state saved with it."""
 
     @abstractmethod
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:

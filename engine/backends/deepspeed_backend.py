@@ -25,7 +25,8 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from engine.backends.base import Backend, Batch, to_device
+from engine.backends.base import Backend, BackendSettings, Batch, to_device
+from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
@@ -37,10 +38,8 @@ from engine.checkpoints.universal import (
     saved_names,
     universal_info,
 )
-from engine.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.optim import group_settings, parameter_groups, restore_group_settings
+from engine.observability.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
-from models import ModelFamily
 from models.common import persistent_buffers
 
 
@@ -92,13 +91,13 @@ class DeepSpeedEngineBackend(Backend):
         self.compiled = self.engine.is_compiled
 
     def watch_gradients(self) -> None:
-        """Count model-state bytes at the optimizer step of every logged step (`engine.memory.rank_memory`
+        """Count model-state bytes at the optimizer step of every logged step (`engine.observability.memory.rank_memory`
         reads them)."""
         self.state_watch = StepWatch(
             self.engine.optimizer,
             self._gradient_tensors,
             self.model_state_tensors,
-            lambda: self.phase_timer is not None,
+            lambda: self.timing,
         )
 
     def _gradient_tensors(self) -> list[torch.Tensor | None]:
@@ -211,7 +210,7 @@ class DeepSpeedEngineBackend(Backend):
         self._norm_from_clipping = False
 
     def _measure_norm(self) -> None:
-        if self._untracked_norm and not self._norm_from_clipping and self.phase_timer is not None:
+        if self._untracked_norm and not self._norm_from_clipping and self.timing:
             self._norm = fp32_grad_norm(self.engine.module.parameters(), self.grid, self.device)
 
     def _clip_fp32_gradients(self) -> None:
@@ -248,17 +247,9 @@ def _mend_zero3_universal_load(optimizer: Any, decays: list[float]) -> None:
 
 
 class DeepSpeedBackend(DeepSpeedEngineBackend):
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        family: ModelFamily,
-        ds_config: dict[str, Any],
-        device: torch.device,
-        input_dtype: torch.dtype,
-        weight_decay_on: str,
-        grid: PipelineParallelGrid | None = None,
-    ):
-        groups = parameter_groups(model.parameters(), ds_config["optimizer"], weight_decay_on)
+    def __init__(self, model: torch.nn.Module, settings: BackendSettings):
+        ds_config, grid = settings.deepspeed_config, settings.grid
+        groups = parameter_groups(model.parameters(), ds_config["optimizer"], settings.weight_decay_on)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         self._trainable = [names[id(parameter)] for group in groups for parameter in group["params"]]
         self._names = tensor_names(model)
@@ -269,7 +260,13 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             config=ds_config,
             mpu=grid,
         )
-        self.device, self.family, self.input_dtype, self.grid = device, family, input_dtype, grid
+        self.device, self.family, self.input_dtype, self.grid = (
+            settings.device,
+            settings.family,
+            settings.input_dtype,
+            grid,
+        )
+        self.hooks = settings.hooks
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
@@ -295,13 +292,13 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             # position is lets a later run reshape it (`engine.checkpoints.from_torch.universal_from_zero0`).
             save_optimizer_order(checkpoint_dir / tag, self._trainable)
 
-    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+    def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(self._accumulation):
             with self.phase("data"):
                 batch = to_device(next(batches), self.device, self.input_dtype)
             with self.phase("forward"):
-                loss = self.hooked(self.family.compute_loss(self.engine, batch))
+                loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch))
             with self.phase("backward"):
                 self.engine.backward(loss)
             if micro_step == self._accumulation - 1:

@@ -8,13 +8,14 @@ it to DeepSpeed, either whole (data and tensor parallelism) or as pipeline layer
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-from engine.backends.base import Backend
-from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
+from engine.backends.base import Backend, BackendSettings, StepHooks
+from engine.backends.deepspeed_backend import DeepSpeedBackend
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
@@ -22,67 +23,63 @@ from engine.parallel.zero3_init import partitioned_build
 from models import ModelFamily
 from models.tensor_parallel import apply_tensor_parallel
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-def build_backend(
-    config: EngineConfig,
-    family: ModelFamily,
-    device: torch.device,
-    input_dtype: torch.dtype,
-    load_universal: bool = False,
-) -> tuple[Backend, int]:
+
+def backend_settings(
+    config: EngineConfig, family: ModelFamily, device: torch.device, hooks: StepHooks, load_universal: bool = False
+) -> BackendSettings:
+    """What every backend is built from. `load_universal`: the run resumes from a universal
+    checkpoint, which DeepSpeed must know at initialisation to load its optimizer so."""
+    ds_config = config.deepspeed_config()
+    if load_universal:
+        ds_config["checkpoint"] = {"load_universal": True}
+    return BackendSettings(
+        family=family,
+        device=device,
+        input_dtype=_DTYPES[config.precision],
+        deepspeed_config=ds_config,
+        precision=config.precision,
+        weight_decay_on=config.trainer.weight_decay_on,
+        layout=parallel_layout(config),
+        pipeline_partition_method=config.parallel.pipeline_partition_method,
+        pipeline_activation_checkpoint_interval=config.parallel.pipeline_activation_checkpoint_interval,
+        hooks=hooks,
+        compile=config.trainer.compile,
+    )
+
+
+def build_backend(config: EngineConfig, settings: BackendSettings) -> tuple[Backend, int]:
     """The backend and this rank's data-parallel index (which shard of each batch it reads).
 
     The caller has seeded every rank alike, so `family.build` gives every rank the same weights.
-    `load_universal`: the run resumes from a universal checkpoint (DeepSpeed decides at
-    initialisation how its optimizer will load; the accelerate backend converts it as it loads).
     """
-    if config.trainer["backend"] == "accelerate":
+    family = settings.family
+    if config.trainer.backend == "accelerate":
         # Imported only here: accelerate with torch's FSDP and distributed checkpointing would add
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
-        return AccelerateBackend(family.build(config.model), family, config, device), torch.distributed.get_rank()
-    ds_config = config.deepspeed_config()
-    if load_universal:
-        ds_config["checkpoint"] = {"load_universal": True}
-    partitioned = config.zero_stage == 3 and family.builds_partitioned
-    with partitioned_build(ds_config) if partitioned else nullcontext():
-        model = family.build(config.model)
-    backend, data_rank = _deepspeed_backend(model, family, config, ds_config, device, input_dtype)
-    if config.trainer["compile"]:
+        return AccelerateBackend(family.build(config.model.fields), settings), torch.distributed.get_rank()
+    partitioned = settings.zero_stage == 3 and family.builds_partitioned
+    with partitioned_build(settings.deepspeed_config) if partitioned else nullcontext():
+        model = family.build(config.model.fields)
+    backend, data_rank = _deepspeed_backend(model, settings)
+    if settings.compile:
         backend.compile()
     return backend, data_rank
 
 
-def _deepspeed_backend(
-    model: torch.nn.Module,
-    family: ModelFamily,
-    config: EngineConfig,
-    ds_config: dict,
-    device: torch.device,
-    input_dtype: torch.dtype,
-) -> tuple[DeepSpeedEngineBackend, int]:
-    layout = parallel_layout(config)
-    decay_on = config.trainer["weight_decay_on"]
+def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[Backend, int]:
+    layout = settings.layout
     if not layout.model_parallel:
-        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, decay_on)
-        return backend, torch.distributed.get_rank()
+        return DeepSpeedBackend(model, settings), torch.distributed.get_rank()
     # DeepSpeed's grid creates the data-, tensor- and pipeline-parallel groups from the topology.
     grid = PipelineParallelGrid(topology=layout.topology())
     if layout.tensor > 1:
-        apply_tensor_parallel(model, family.tensor_parallel, grid.get_slice_parallel_group())
+        apply_tensor_parallel(model, settings.family.tensor_parallel, grid.get_slice_parallel_group())
     if layout.pipeline == 1:
-        backend = DeepSpeedBackend(model, family, ds_config, device, input_dtype, decay_on, grid=grid)
+        backend = DeepSpeedBackend(model, dataclasses.replace(settings, grid=grid))
     else:
-        backend = PipelineBackend(
-            model,
-            family,
-            ds_config,
-            device,
-            input_dtype,
-            layout,
-            partition_method=config.parallel["pipeline_partition_method"],
-            activation_checkpoint_interval=config.parallel["pipeline_activation_checkpoint_interval"],
-            weight_decay_on=decay_on,
-        )
+        backend = PipelineBackend(model, settings)
     return backend, grid.get_data_parallel_rank()

@@ -13,24 +13,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from engine.backends.base import Batch, to_device
+from engine.backends.base import BackendSettings, Batch, to_device
 from engine.backends.deepspeed_backend import DeepSpeedEngineBackend
-from engine.optim import parameter_groups
+from engine.backends.optim import parameter_groups
+from engine.backends.pipeline_timeline import PipelineEvent, RankTimeline, step_breakdown, write_pipeline_timeline
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
-from engine.parallel.layout import ParallelLayout
-from engine.timeline import PipelineEvent, step_breakdown
-from models import ModelFamily
 
-# The event kind (engine/timeline.py) of each instruction DeepSpeed's schedules issue.
+# The event kind (engine/backends/pipeline_timeline.py) of each instruction DeepSpeed's schedules issue.
 INSTRUCTION_KINDS = {
     schedule.LoadMicroBatch: "load_micro_batch",
     schedule.ForwardPass: "forward",
@@ -124,39 +122,33 @@ class InstructionTimer:
 
 
 class PipelineBackend(DeepSpeedEngineBackend):
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        family: ModelFamily,
-        ds_config: dict[str, Any],
-        device: torch.device,
-        input_dtype: torch.dtype,
-        layout: ParallelLayout,
-        partition_method: str,
-        activation_checkpoint_interval: int,
-        weight_decay_on: str,
-    ):
+    def __init__(self, model: torch.nn.Module, settings: BackendSettings):
         self._names = tensor_names(model)
-        self.family, self.device, self.input_dtype = family, device, input_dtype
+        family, device, ds_config = settings.family, settings.device, settings.deepspeed_config
+        self.family, self.device, self.input_dtype = family, device, settings.input_dtype
+        self.hooks = settings.hooks
+        partition_method = settings.pipeline_partition_method
         self.module = PipelineModule(
             layers=family.pipeline.layers(model),
-            topology=layout.topology(),
-            loss_fn=family.pipeline.loss,
+            topology=settings.layout.topology(),
+            loss_fn=self._training_loss,
             partition_method=f"type:{family.pipeline.block_type}" if partition_method == "type" else partition_method,
-            activation_checkpoint_interval=activation_checkpoint_interval,
+            activation_checkpoint_interval=settings.pipeline_activation_checkpoint_interval,
             activation_checkpoint_func=non_reentrant_checkpoint,
         )
         self.grid = self.module.mpu()
         count_in_norm_once(self.module, self.grid.get_slice_parallel_rank())
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
-            model_parameters=parameter_groups(self.module.parameters(), ds_config["optimizer"], weight_decay_on),
+            model_parameters=parameter_groups(
+                self.module.parameters(), ds_config["optimizer"], settings.weight_decay_on
+            ),
             config=ds_config,
         )
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
         self.watch_gradients()
-        self._timer = InstructionTimer(self.engine, device)
+        self._instructions = InstructionTimer(self.engine, device)
         self._track_norm()
         optimizer_step = self.engine._INSTRUCTION_MAP[schedule.OptimizerStep]
 
@@ -167,6 +159,10 @@ class PipelineBackend(DeepSpeedEngineBackend):
 
         self.engine._INSTRUCTION_MAP[schedule.OptimizerStep] = measured_optimizer_step
 
+    def _training_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Losses exist on the last stage only, inside the schedule: the hooks see them here.
+        return self.hooks.on_loss(self.family.pipeline.loss(outputs, labels))
+
     def stage_layers(self) -> list[str]:
         """Each stage's layer range, for the start-up layout table."""
         parts = self.module.parts
@@ -176,36 +172,41 @@ class PipelineBackend(DeepSpeedEngineBackend):
         for _ in range(count):
             yield self.family.pipeline.split_batch(to_device(next(batches), self.device, self.input_dtype))
 
-    def train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
-        # The steps the loop times (phase_timer set; always the last one) are recorded instruction by instruction.
-        if self.phase_timer is None:
+    def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
+        # The steps the loop times (always the last one among them) are recorded instruction by instruction.
+        if not self.timing:
             return self._train_batch(batches)
-        return self._timer.record(lambda: self._train_batch(batches))
+        return self._instructions.record(lambda: self._train_batch(batches))
 
     def timeline(self) -> list[PipelineEvent]:
         """This rank's instructions in the last timed step (the run's last step, at the end), on its own clock."""
-        return list(self._timer.events)
+        return list(self._instructions.events)
+
+    def finish(self, output_dir: Path, write_line: Callable[[str], None]) -> None:
+        """The last step's measured schedule: rank 0 writes it, its chart and the measured bubble."""
+        grid = self.grid
+        mine = RankTimeline(
+            dist.get_rank(),
+            grid.get_stage_id(),
+            grid.get_data_parallel_rank(),
+            grid.get_slice_parallel_rank(),
+            self.timeline(),
+            self.compute_samples(),
+        )
+        write_pipeline_timeline(mine, self._accumulation, output_dir, write_line)
 
     def compute_samples(self) -> dict[str, list[float]]:
         """This rank's forward and backward compute seconds over every recorded step."""
-        return {kind: list(samples) for kind, samples in self._timer.compute_samples.items()}
+        return {kind: list(samples) for kind, samples in self._instructions.compute_samples.items()}
 
     def step_breakdown(self) -> dict[str, float] | None:
         """This stage's seconds of the last step in data loading, forward, backward, communication
         (sends and receives, waits included) and step (gradient reductions and the optimizer)."""
-        return None if self.phase_timer is None else step_breakdown(self._timer.events)
+        return None if not self.timing else step_breakdown(self._instructions.events)
 
     def _train_batch(self, batches: Iterator[Batch]) -> torch.Tensor:
         # train_batch returns the step's loss averaged over the data-parallel replicas, on every stage.
-        if self.loss_hook is None:
-            return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
-        # Losses exist on the last stage only, inside the schedule: the hook goes into the loss function.
-        hook, loss = self.loss_hook, self.family.pipeline.loss
-        self.module.loss_fn = lambda outputs, labels: hook(loss(outputs, labels))
-        try:
-            return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
-        finally:
-            self.module.loss_fn = loss
+        return self.engine.train_batch(self._pipeline_batches(batches, self._accumulation))
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
         batches = list(batches)
@@ -229,7 +230,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
                 num_micro_batches=len(batches),
             )
         finally:
-            self.module.loss_fn = self.family.pipeline.loss
+            self.module.loss_fn = self._training_loss
             self.engine.total_loss = None
             self.engine.monitor.enabled = monitoring
         if self.engine.is_last_stage() and self.grid.get_slice_parallel_rank() == 0:

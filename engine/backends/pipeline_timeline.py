@@ -32,12 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import fmean, median
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from engine.backends.pipeline_backend import PipelineBackend
 
 COMPUTE_KINDS = ("forward", "backward")
 # What each instruction kind counts as in a step's time breakdown (metrics' time_<phase>_s).
@@ -179,7 +175,7 @@ class RankTimeline:
     samples: dict[str, list[float]] = field(default_factory=dict)
 
 
-def gather_timelines(backend: PipelineBackend) -> list[RankTimeline] | None:
+def gather_timelines(mine: RankTimeline) -> list[RankTimeline] | None:
     """Collective: every rank's last-step events, on rank 0 (None elsewhere), on rank 0's clock.
 
     The clocks are put together after the fact rather than by a barrier before every step: right
@@ -188,17 +184,8 @@ def gather_timelines(backend: PipelineBackend) -> list[RankTimeline] | None:
     message latency; hosts' clocks drift by parts per million, nothing over one run's length). That
     works across hosts, costs the training steps nothing, and only the wall-clock figures and the
     chart depend on it: the measured bubble uses durations and order alone."""
-    grid = backend.grid
     dist.barrier()
     now = time.perf_counter()
-    mine = RankTimeline(
-        dist.get_rank(),
-        grid.get_stage_id(),
-        grid.get_data_parallel_rank(),
-        grid.get_slice_parallel_rank(),
-        backend.timeline(),
-        backend.compute_samples(),
-    )
     gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((now, mine), gathered, dst=0)
     if gathered is None:
@@ -314,14 +301,16 @@ def _draw_rows(axes, stages: Sequence[Sequence[PipelineEvent]], origin: float, u
     axes.set_ylim(len(stages) - 0.5, -0.5)
 
 
-def write_pipeline_timeline(backend: PipelineBackend, output_dir: Path, write_line: Callable[[str], None]) -> None:
+def write_pipeline_timeline(
+    mine: RankTimeline, micro_batches: int, output_dir: Path, write_line: Callable[[str], None]
+) -> None:
     """Collective, once at the end of training: rank 0 writes the last step's timeline, its chart
     and one line with the measured bubble against (p-1)/(m+p-1)."""
-    timelines = gather_timelines(backend)
+    timelines = gather_timelines(mine)
     if timelines is None:
         return
     if not any(timeline.events for timeline in timelines):
         write_line("pipeline timeline: no training step ran in this process, nothing to draw")
         return
-    report = save_timeline(timelines, backend.engine.gradient_accumulation_steps(), output_dir)
+    report = save_timeline(timelines, micro_batches, output_dir)
     write_line(report.describe())

@@ -21,19 +21,34 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from engine.checkpoints.from_torch import ENGINE_STATE
-from engine.checkpoints.layout import LAYOUT_FILE, write_layout
-from engine.distributed import barrier, env_rank
+from engine.checkpoints.reshape import LAYOUT_FILE, SavedLayout, write_layout
+from engine.parallel.process_group import barrier, env_rank
 
 LATEST = "latest"
 PARTIAL = ".partial"
 ABANDONED = ".abandoned"
 _TAG = re.compile(r"^step(\d{8})$")
+
+
+class CheckpointRef(NamedTuple):
+    """A checkpoint: the folder that holds a run's checkpoints, and its tag there."""
+
+    root: Path
+    tag: str
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.tag
+
+    @property
+    def step(self) -> int | None:
+        return tag_step(self.tag)
 
 
 def checkpoint_root(output_dir: Path) -> Path:
@@ -50,6 +65,12 @@ def tag_step(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The folder of the newest published checkpoint under `root`, or None."""
+    tag = latest_tag(root)
+    return None if tag is None else root / tag
+
+
 def latest_tag(root: Path) -> str | None:
     """The tag `latest` names or, where `latest` is missing or names a folder that is gone, the newest
     published one (every `stepNNNNNNNN` folder is complete: saves are published by rename); None when
@@ -63,8 +84,8 @@ def latest_tag(root: Path) -> str | None:
     return published[-1] if published else None
 
 
-def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | None:
-    """(checkpoint root, tag) that `trainer.resume` asks for; None for a fresh start.
+def resume_target(resume: bool | str, output_dir: Path) -> CheckpointRef | None:
+    """The checkpoint `trainer.resume` asks for; None for a fresh start.
 
     Raises FileNotFoundError naming the directory when a resume is asked for but nothing is
     there, and FileExistsError when a fresh start would share `output_dir` with an earlier run's
@@ -85,21 +106,21 @@ def resume_target(resume: bool | str, output_dir: Path) -> tuple[Path, str] | No
         tag = latest_tag(root)
         if tag is None:
             raise FileNotFoundError(f"trainer.resume is true but {root} holds no checkpoint to resume from")
-        return root, tag
+        return CheckpointRef(root, tag)
     path = Path(resume)
     if path.name.endswith(PARTIAL):
         raise FileNotFoundError(f"trainer.resume: {path} is an unfinished save (a crash interrupted it)")
     if latest_tag(checkpoint_root(path)) is not None:  # a run's output_dir: its latest checkpoint
         path = checkpoint_root(path)
     if _holds_checkpoint(path):
-        return path.parent, path.name
+        return CheckpointRef(path.parent, path.name)
     tag = latest_tag(path) if path.is_dir() else None  # a checkpoints directory: its latest
     if tag is None:
         raise FileNotFoundError(
             f"trainer.resume: {path} is not a checkpoint; give a checkpoint directory (checkpoints/stepNNNNNNNN), "
             "the checkpoints directory or the run's output_dir"
         )
-    return path, tag
+    return CheckpointRef(path, tag)
 
 
 def _holds_checkpoint(path: Path) -> bool:
@@ -114,14 +135,14 @@ def save_checkpoint(
     root: Path,
     step: int,
     keep_last: int,
-    layout: dict[str, Any],
+    layout: SavedLayout,
     buffers: Mapping[str, torch.Tensor],
-    before_publish: Callable[[], None] = lambda: None,
+    before_publish: Callable[[int], None] = lambda step: None,
     data_position: Mapping[str, Any] | None = None,
 ) -> str:
     """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
 
-    `layout` (engine.checkpoints.layout.layout_record) is kept with the checkpoint, so a resume on another
+    `layout` (engine.checkpoints.reshape.SavedLayout) is kept with the checkpoint, so a resume on another
     layout knows what it is converting from. `data_position` is this rank's place in a streamed
     corpus, if it reads one. `before_publish` runs on every rank once its own files are written (the
     fault-injection point for a crash mid-save). Returns the published tag."""
@@ -142,7 +163,7 @@ def save_checkpoint(
         save_data_position(root / staging, env_rank(), data_position)
     if env_rank() == 0:
         write_layout(root / staging, layout)
-    before_publish()
+    before_publish(step)
     barrier()
     if env_rank() == 0:
         publish(root, staging, tag)

@@ -38,7 +38,7 @@ from deepspeed.checkpoint.constants import (
 )
 from torch import nn
 
-from engine.checkpoints.layout import NAMES_FOLDER, OPTIMIZER_ORDER
+from engine.checkpoints.reshape import NAMES_FOLDER, OPTIMIZER_ORDER
 from models.common import persistent_buffers
 from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
 

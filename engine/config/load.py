@@ -13,7 +13,7 @@ from engine.config.overrides import apply_overrides
 from engine.config.resolve import EngineConfig, resolve
 from engine.config.rules import rule_issues
 from engine.config.validate import canonical_spellings, fill_defaults, schema_issues
-from engine.hardware import Hardware
+from engine.launch.hardware import Hardware
 
 
 class _Object(dict):

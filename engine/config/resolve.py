@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from data.tokens.cache import default_cache_dir
 from engine.config.batch import solve_batch_triple
-from engine.config.rules import auto_bf16, data_parallel_size
+from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, data_parallel_size
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
-from engine.flops import device_peak_flops
-from engine.hardware import Hardware
+from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
 from engine.launch.detect import effective_backend
+from engine.launch.hardware import Hardware, device_peak_flops
 from models import get_family
 
 # DeepSpeed's own values where the model does not suggest better ones.
@@ -29,27 +30,28 @@ _PERSISTENCE_THRESHOLD_DEFAULT = 100_000
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """A validated, resolved config. Sections are plain JSON-serialisable dicts."""
+    """A validated, resolved config: `document` is the whole of it, as resolved_config.json records it;
+    the engine's own sections are typed views of it (engine/config/sections.py)."""
 
     document: dict[str, Any]
     world_size: int
     source: Path | None = field(default=None, compare=False)
 
-    @property
-    def model(self) -> dict[str, Any]:
-        return self.document["model"]
+    @cached_property
+    def model(self) -> ModelSection:
+        return ModelSection.from_document(self.document["model"])
 
-    @property
-    def data(self) -> dict[str, Any]:
-        return self.document["data"]
+    @cached_property
+    def data(self) -> DataSection:
+        return typed_section(DataSection, self.document["data"])
 
-    @property
-    def trainer(self) -> dict[str, Any]:
-        return self.document["trainer"]
+    @cached_property
+    def trainer(self) -> TrainerSection:
+        return typed_section(TrainerSection, self.document["trainer"])
 
-    @property
-    def parallel(self) -> dict[str, Any]:
-        return self.document["parallel"]
+    @cached_property
+    def parallel(self) -> ParallelSection:
+        return typed_section(ParallelSection, self.document["parallel"])
 
     @property
     def dp_size(self) -> int:
@@ -58,6 +60,11 @@ class EngineConfig:
     @property
     def zero_stage(self) -> int:
         return self.document["zero_optimization"]["stage"]
+
+    @property
+    def accelerate_wrapper(self) -> str:
+        """What the ZeRO stage means under the accelerate backend: "ddp", "fsdp_grad_op" or "fsdp_full"."""
+        return ACCELERATE_WRAPPERS[self.zero_stage]
 
     @property
     def precision(self) -> str:
@@ -88,9 +95,9 @@ class EngineConfig:
         """Settle `model.vocab_size: "auto"` once the tokenizer is known (it is built from the data),
         rounded up so the embedding splits evenly across the tensor-parallel ranks; the extra rows
         are never a target, so training only learns to keep their logits low."""
-        if self.model.get("vocab_size", AUTO) != AUTO:
+        if self.document["model"].get("vocab_size", AUTO) != AUTO:
             return self
-        degree = self.parallel["tensor_parallel_size"]
+        degree = self.parallel.tensor_parallel_size
         document = copy.deepcopy(self.document)
         document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
         return EngineConfig(document, self.world_size, self.source)

@@ -15,16 +15,17 @@ from typing import Any
 
 import torch
 
-from data.kinds import DATA_TYPES_BY_FAMILY
 from engine.config.batch import BatchError, solve_batch_triple
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
-from engine.hardware import Hardware
 from engine.launch.detect import effective_backend
+from engine.launch.hardware import Hardware
 from models import get_family
-from models.resnet import torchvision_available
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
+
+# What zero_optimization.stage means under the accelerate backend (stage 1 has no FSDP equivalent).
+ACCELERATE_WRAPPERS = {0: "ddp", 2: "fsdp_grad_op", 3: "fsdp_full"}
 
 
 def _known(value: Any) -> Any:
@@ -266,49 +267,18 @@ def check_scheduler(document: dict, world_size: int, hardware: Hardware | None) 
 
 def check_model(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     model, data = document["model"], document["data"]
-    architecture = get_family(model["family"]).architecture(model)
-    if model["family"] == "gpt":
-        if architecture["n_embd"] % architecture["n_head"]:
-            yield ConfigIssue(
-                "model.n_head",
-                f"{architecture['n_head']} heads do not divide n_embd {architecture['n_embd']}; pick a head count "
-                "that divides the width",
-            )
-        seq_len = data.get("seq_len", AUTO)
-        if seq_len != AUTO and seq_len > architecture["n_positions"]:
-            yield ConfigIssue(
-                "data.seq_len",
-                f"{seq_len} is longer than model.n_positions {architecture['n_positions']}; shorten it or raise "
-                "n_positions",
-            )
-        vocab = architecture["vocab_size"]
-        if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
-            yield ConfigIssue(
-                "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
-            )
-    # Five stride-2 steps: a 32-pixel image ends as a 1x1 map, one value per channel per image,
-    # which training-mode BatchNorm cannot normalise.
-    one_image = _known(document.get("train_micro_batch_size_per_gpu")) == 1
-    if model["family"] == "resnet" and one_image and data["image_size"] <= 32:
-        yield ConfigIssue(
-            "train_micro_batch_size_per_gpu",
-            f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
-            "last stage (a 1x1 map); use a micro-batch of 2 or more",
-        )
-    if model["family"] == "resnet" and model["implementation"] == "torchvision" and not torchvision_available():
-        yield ConfigIssue(
-            "model.implementation",
-            '"torchvision", but torchvision does not import here; use "auto" or "transformers" (same architecture)',
-        )
+    micro_batch = _known(document.get("train_micro_batch_size_per_gpu"))
+    for path, message in get_family(model["family"]).config_issues(model, data, micro_batch):
+        yield ConfigIssue(path, message)
     if model["init_from"] is not None and not os.path.exists(model["init_from"]):
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
 
 
 def check_data(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
-    data, family = document["data"], document["model"]["family"]
-    if data["type"] not in DATA_TYPES_BY_FAMILY[family]:
-        allowed = " or ".join(f'"{kind}"' for kind in DATA_TYPES_BY_FAMILY[family])
-        yield ConfigIssue("data.type", f'"{data["type"]}" data cannot train a {family} model; use {allowed}')
+    data, family = document["data"], get_family(document["model"]["family"])
+    if data["type"] not in family.data_types:
+        allowed = " or ".join(f'"{kind}"' for kind in family.data_types)
+        yield ConfigIssue("data.type", f'"{data["type"]}" data cannot train a {family.name} model; use {allowed}')
     if data["type"] in ("image", "tokens") and data["path"] is None:
         needs = "an imagefolder or cifar-10-batches-py directory" if data["type"] == "image" else "token files"
         yield ConfigIssue("data.path", f"{data['type']} data needs a path ({needs})")
@@ -441,7 +411,7 @@ def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware
                 "pipeline and tensor parallelism run on the DeepSpeed backend only; set it to 1, or launch with "
                 'deepspeed and trainer.backend "deepspeed"',
             )
-    if document["zero_optimization"]["stage"] == 1:
+    if document["zero_optimization"]["stage"] not in ACCELERATE_WRAPPERS:
         yield ConfigIssue(
             "zero_optimization.stage",
             "FSDP has no optimizer-only sharding; under the accelerate backend use 0 (DDP), 2 (FSDP sharding "

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from models import get_family
+from models import FAMILIES
 
 AUTO = "auto"
-
-GPT_PRESETS = list(get_family("gpt").presets)
-RESNET_PRESETS = list(get_family("resnet").presets)
 
 
 def _field(json_type: str, description: str, default: Any = None, auto: bool = False, **constraints: Any) -> dict:
@@ -391,7 +388,7 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
 # ---------------------------------------------------------------------------------------------
 
 _MODEL_COMMON = {
-    "family": _enum(["gpt", "resnet"], "Model family; selects the registry entry in models/."),
+    "family": _enum(list(FAMILIES), "Model family; selects the registry entry in models/."),
     "activation_checkpointing": _boolean(
         "Recompute activations in the backward pass (per transformer block / residual block).", False
     ),
@@ -400,36 +397,6 @@ _MODEL_COMMON = {
         "description": "Local directory of weights to start from (an HF checkpoint for GPT, an engine export).",
         "default": None,
     },
-}
-
-_GPT_MODEL = {
-    **_MODEL_COMMON,
-    "preset": _enum(GPT_PRESETS, "GPT-2 size; explicit fields below override it."),
-    "n_layer": _integer("Transformer blocks (overrides the preset).", minimum=1),
-    "n_head": _integer("Attention heads; must divide n_embd (overrides the preset).", minimum=1),
-    "n_embd": _integer("Model width (overrides the preset).", minimum=1),
-    "n_positions": _integer("Longest sequence the position table covers (overrides the preset).", minimum=1),
-    "vocab_size": _integer(
-        'Vocabulary size; "auto" (the default, taking over from the preset): the tokenizer\'s vocabulary size, '
-        "rounded up to a multiple of parallel.tensor_parallel_size so the embedding splits evenly. The GPT-2 "
-        "presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set 50257 (or 50304, "
-        "padded as nanoGPT pads it) for a model of the preset's size.",
-        minimum=1,
-        auto=True,
-    ),
-    "dropout": _number("Dropout on embeddings, attention and residuals.", 0.0, minimum=0, exclusiveMaximum=1),
-    "attn_implementation": _enum(["sdpa", "eager"], "Attention kernel used by transformers.", "sdpa"),
-}
-
-_RESNET_MODEL = {
-    **_MODEL_COMMON,
-    "preset": _enum(RESNET_PRESETS, "ResNet depth."),
-    "num_classes": _integer("Classifier outputs.", 1000, minimum=2),
-    "implementation": _enum(
-        ["auto", "torchvision", "transformers"],
-        '"auto": torchvision where it imports, transformers\' ResNet otherwise (same architecture).',
-        "auto",
-    ),
 }
 
 _MODEL = {
@@ -441,8 +408,9 @@ _MODEL = {
     },
     "required": ["family", "preset"],
     "allOf": [
-        _when("family", "gpt", {"properties": _GPT_MODEL, "additionalProperties": False}),
-        _when("family", "resnet", {"properties": _RESNET_MODEL, "additionalProperties": False}),
+        # Each family's own keys come from its module (`ModelFamily.model_schema`).
+        _when("family", name, {"properties": {**_MODEL_COMMON, **family.model_schema}, "additionalProperties": False})
+        for name, family in FAMILIES.items()
     ],
 }
 
@@ -638,8 +606,8 @@ _TRAINER = _object(
         ),
         "peak_tflops": _number(
             "Dense peak TFLOP/s of one device at the run's precision, the denominator of the MFU in the "
-            'metrics; "auto": from the engine\'s table of common GPUs (engine/flops.py), none on a CPU or '
-            "an unknown device, where no MFU is reported.",
+            'metrics; "auto": from the engine\'s table of common GPUs (engine/launch/hardware.py), none on a CPU '
+            "or an unknown device, where no MFU is reported.",
             "auto",
             auto=True,
             exclusiveMinimum=0,

@@ -9,9 +9,9 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from engine.distributed import env_rank
 from engine.failures.watchdog import Watchdog, beat_interval
-from engine.rank_logs import RankOutput
+from engine.observability.rank_logs import RankOutput
+from engine.parallel.process_group import env_rank
 
 
 def collective_timeout(silence_s: float) -> float:

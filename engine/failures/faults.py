@@ -18,10 +18,10 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from engine.backends.base import StepHooks
 
 ENV_VAR = "ENGINE_FAULT"
 ACTIONS = ("kill", "hang", "raise", "nan")
@@ -86,3 +86,24 @@ def loss_hook(fault: Fault | None, rank: int, step: int) -> Callable[[torch.Tens
         return None
     print(f"rank {rank}: {ENV_VAR} injects 'nan' into the loss of step {step}", flush=True)
     return lambda loss: loss * float("nan")
+
+
+class FaultHooks(StepHooks):
+    """A run's hooks when `ENGINE_FAULT` is set (and harmless when it is not): the fault acts out at
+    its rank, point and step."""
+
+    def __init__(self, fault: Fault | None, rank: int):
+        self.fault, self.rank = fault, rank
+        self._loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def before_step(self, step: int) -> None:
+        self._loss_hook = loss_hook(self.fault, self.rank, step)
+
+    def on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self._loss_hook is None else self._loss_hook(loss)
+
+    def after_step(self, step: int) -> None:
+        inject(self.fault, self.rank, "step", step)
+
+    def before_publish(self, step: int) -> None:
+        inject(self.fault, self.rank, "save", step)

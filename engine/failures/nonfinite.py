@@ -15,13 +15,13 @@ not a failure: it is counted and reported, and never stops a run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.checkpoints.store import latest_tag
-from engine.distributed import all_reduce_sum
+from engine.parallel.process_group import all_reduce_sum
 
 STOP, SKIP = "stop", "skip"
 
@@ -34,7 +34,9 @@ class NonFiniteError(RuntimeError):
 class NonfinitePolicy:
     action: str  # STOP or SKIP
     max_skipped_steps: int  # under SKIP; 0: no limit
-    checkpoint_root: Path  # where the last good checkpoint is looked up for the stop message
+    # The last published checkpoint, or None: named in the stop message. A function, so that
+    # failures/ need not know how checkpoints are published.
+    last_checkpoint: Callable[[], Path | None]
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,11 @@ class NonfiniteGuard:
 
     def _stop_message(self, step: int, what: str, reason: str, advice: str) -> str:
         """One line: the failure path shows an error's first line on the terminal."""
-        tag = latest_tag(self.policy.checkpoint_root)
-        if tag is None:
+        last = self.policy.last_checkpoint()
+        if last is None:
             checkpoint, restart = "no checkpoint saved yet", "Start again"
         else:
-            checkpoint, restart = str(self.policy.checkpoint_root / tag), "Resume from it (trainer.resume=true)"
+            checkpoint, restart = str(last), "Resume from it (trainer.resume=true)"
         return (
             f"step {step}: non-finite {what} ({reason}); the run stops before saving it. Last good checkpoint: "
             f"{checkpoint}. {restart} with a lower optimizer.params.lr or gradient_clipping, or check this step's "

@@ -14,8 +14,6 @@ from pathlib import Path
 from engine.failures.supervise import LAUNCHER_PID_ENV
 
 BACKENDS = ("deepspeed", "accelerate")
-# What zero_optimization.stage means under the accelerate backend (stage 1 has no FSDP equivalent).
-ACCELERATE_WRAPPERS = {0: "ddp", 2: "fsdp_grad_op", 3: "fsdp_full"}
 
 
 def detect_launcher() -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 import torch
@@ -33,10 +33,6 @@ class ModelStateTensors:
 
     parameters: list[torch.Tensor]
     optimizer: list[torch.Tensor]
-
-
-class MeasuredBackend(Protocol):
-    state_watch: StepWatch
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -106,11 +102,10 @@ class StepWatch:
         optimizer.step = counting_step
 
 
-def rank_memory(backend: MeasuredBackend) -> dict[str, int]:
-    """This rank's memory, for the metrics record: model-state bytes (exact, as counted at the last
-    optimizer step; 0 before the first), the process RSS now, and on CUDA the allocator's peaks
-    since the start of the run."""
-    watch = backend.state_watch
+def rank_memory(watch: StepWatch) -> dict[str, int]:
+    """This rank's memory, for the metrics record: model-state bytes (exact, as `watch` counted them
+    at the last timed optimizer step; 0 before the first), the process RSS now, and on CUDA the
+    allocator's peaks since the start of the run."""
     record = {
         "parameter_bytes": watch.parameter_bytes,
         "gradient_bytes": watch.gradient_bytes,

@@ -1,5 +1,5 @@
 """What rank 0 shows and records: a progress bar and `metrics.jsonl`, one JSON object per
-logged step, also handed to any sinks (TensorBoard, CSV, W&B: engine/sinks.py). Values reach
+logged step, also handed to any sinks (TensorBoard, CSV, W&B: engine/observability/sinks.py). Values reach
 here already reduced over ranks; this module never communicates."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.metrics import read_records
+from engine.observability.metrics import read_records
 
 PLOTS_FOLDER = "plots"
 

@@ -26,8 +26,7 @@ from deepspeed.monitor.csv_monitor import csvMonitor
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.monitor.tensorboard import TensorBoardMonitor
 
-from engine.backends import Backend
-from engine.metrics import Sink
+from engine.observability.metrics import Sink
 
 # DeepSpeed's engine writes these itself after every optimizer step, under the same names; the
 # engine's copies would put a second point at each x (and its lr is the one the step used, one
@@ -77,7 +76,7 @@ class MonitorSink:
     @classmethod
     def from_config(cls, deepspeed_config: dict[str, Any]) -> MonitorSink:
         """A monitor of its own, for a backend without a DeepSpeed engine; needs deepspeed.comm
-        initialised (engine.distributed.init_process_group does it on every backend)."""
+        initialised (engine.parallel.process_group.init_process_group does it on every backend)."""
         monitor = MonitorMaster(get_monitor_config(deepspeed_config))
         return cls(monitor, deepspeed_config["train_batch_size"])
 
@@ -133,9 +132,9 @@ def _purge_tensorboard(monitor: TensorBoardMonitor, first: int) -> None:
     monitor.summary_writer.flush()
 
 
-def build_sinks(deepspeed_config: dict[str, Any], backend: Backend) -> list[Sink]:
-    """The sinks a run's config asks for (none when every monitor is off)."""
-    monitor = backend.deepspeed_monitor()
+def build_sinks(deepspeed_config: dict[str, Any], monitor: MonitorMaster | None) -> list[Sink]:
+    """The sinks a run's config asks for (none when every monitor is off); `monitor` is the DeepSpeed
+    engine's own where one runs (`Backend.deepspeed_monitor`)."""
     if monitor is not None:
         sink = MonitorSink(monitor, deepspeed_config["train_batch_size"], DEEPSPEED_ENGINE_EVENTS)
     else:

@@ -62,5 +62,5 @@ class ParallelLayout:
 def parallel_layout(config: EngineConfig) -> ParallelLayout:
     parallel = config.parallel
     return ParallelLayout(
-        data=config.dp_size, pipeline=parallel["pipeline_parallel_size"], tensor=parallel["tensor_parallel_size"]
+        data=config.dp_size, pipeline=parallel.pipeline_parallel_size, tensor=parallel.tensor_parallel_size
     )

@@ -1,7 +1,7 @@
 """The planner: what each rank holds, predicted on the meta device before a run.
 
 `plan_run` gives per-rank parameter, gradient and optimizer-state bytes equal to what
-`engine.memory.rank_memory` measures on that rank, plus estimated activations and communication,
+`engine.observability.memory.rank_memory` measures on that rank, plus estimated activations and communication,
 and the data's memory from the sizes `data_sizes` reads off the datasets; `report` prints them,
 tells them rank by rank and searches the layouts that fit.
 """

@@ -1,61 +1,11 @@
-"""The estimates beside the exact model states: activation memory, communication volume per step
-and the pipeline bubble. These are formulas from the literature, not measurements; they say so
-wherever they are printed."""
+"""The estimates beside the exact model states: communication volume per step and the pipeline
+bubble (activation memory is each family's, `ModelFamily.plan_activations`). These are formulas from
+the literature, not measurements; they say so wherever they are printed."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
-
-
-def gpt_activation_bytes(
-    arch: Mapping[str, Any],
-    seq_len: int,
-    micro_batch: int,
-    layers: int,
-    tensor: int,
-    element: int,
-    checkpointing: bool,
-    last_stage: bool,
-) -> int:
-    """Activations one micro-batch leaves for backward on one rank: per transformer layer
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2 bytes per element (Korthikanti et al. 2022,
-    arXiv:2205.05198, eq. 2 with tensor parallelism, no sequence parallelism), scaled to the training
-    dtype; with activation checkpointing only each layer's input (s*b*h elements) plus one layer
-    recomputed at a time. The last stage adds the fp32 logits and their gradient."""
-    hidden, heads = arch["n_embd"], arch["n_head"]
-    per_layer_16bit = seq_len * micro_batch * hidden * (10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor))
-    full_layer = int(per_layer_16bit * element / 2)
-    if checkpointing:
-        kept = layers * seq_len * micro_batch * hidden * element + (full_layer if layers else 0)
-    else:
-        kept = layers * full_layer
-    logits = 2 * 4 * seq_len * micro_batch * arch["vocab_size"] // tensor if last_stage else 0
-    return kept + logits
-
-
-def module_output_bytes(model: nn.Module, example: torch.Tensor, element: int) -> int:
-    """Sum of every leaf module's output in one forward pass on the meta device: what autograd
-    keeps for backward, roughly (some outputs are freed, some inputs are kept as well)."""
-    total = 0
-
-    def count(_module: nn.Module, _inputs: tuple, output: Any) -> None:
-        nonlocal total
-        if isinstance(output, torch.Tensor):
-            total += output.numel() * element
-
-    leaves = [module for module in model.modules() if not list(module.children())]
-    handles = [module.register_forward_hook(count) for module in leaves]
-    try:
-        model(example)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return total
 
 
 @dataclass(frozen=True)

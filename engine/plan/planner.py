@@ -10,24 +10,21 @@ import json
 import re
 from dataclasses import dataclass
 
-import torch
-
 from engine.config import ConfigError, ConfigIssue, EngineConfig
-from engine.hardware import Hardware, detect_hardware
+from engine.launch.hardware import Hardware, detect_hardware
 from engine.parallel.layout import Coordinates, parallel_layout
 from engine.plan.data import DataMemory, DataSizes, data_memory
 from engine.plan.estimate import (
     Communication,
     data_parallel_bytes,
-    gpt_activation_bytes,
-    module_output_bytes,
     pipeline_bubble,
     pipeline_bytes,
     tensor_parallel_bytes,
 )
-from engine.plan.shapes import stage_numels, stage_outputs, unique_parameters
+from engine.plan.shapes import stage_numels, unique_parameters
 from engine.plan.states import OptimizerKind, StateBytes, ZeroSettings, accelerate_state_bytes, state_bytes
 from models import get_family
+from models.costs import PlanShape
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -107,7 +104,7 @@ def optimizer_kind(config: EngineConfig) -> OptimizerKind:
     params = section["params"]
     if section["type"] == "SGD":
         return OptimizerKind(moments=1 if params.get("momentum", 0) else 0, torch_step=False)
-    torch_adam = bool(params.get("torch_adam", False)) or config.trainer["backend"] == "accelerate"
+    torch_adam = bool(params.get("torch_adam", False)) or config.trainer.backend == "accelerate"
     return OptimizerKind(moments=2, torch_step=torch_adam)
 
 
@@ -127,21 +124,24 @@ def zero_settings(config: EngineConfig) -> ZeroSettings:
 def settled(config: EngineConfig) -> EngineConfig:
     """The config with `model.vocab_size: "auto"` replaced by the tokenizer's size, as the run
     settles it (`engine.prepare.settle_vocabulary`)."""
-    if config.model["family"] != "gpt" or config.model.get("vocab_size", "auto") != "auto":
+    family = get_family(config.model.family)
+    if not family.uses_vocabulary or config.model.fields.get("vocab_size", "auto") != "auto":
         return config
-    size = _tokenizer_size(json.dumps(config.data, sort_keys=True), config.trainer["seed"])
+    size = _tokenizer_size(json.dumps(config.data.as_mapping(), sort_keys=True), family.samples, config.trainer.seed)
     return config.with_vocab_size(size) if size is not None else config
 
 
 @functools.cache
-def _tokenizer_size(data_section: str, seed: int) -> int | None:
+def _tokenizer_size(data_section: str, samples: str, seed: int) -> int | None:
     """The tokenizer's vocabulary, built from the data as the run builds it (a char tokenizer
     needs the whole corpus), once per data section: `plan --suggest` weighs hundreds of layouts
     of one config."""
     from data import build_datasets
 
     data = json.loads(data_section)
-    bundle = build_datasets(data, family="gpt", seed=seed, seq_len=data["seq_len"], vocab_size=None, num_classes=None)
+    bundle = build_datasets(
+        data, samples=samples, seed=seed, seq_len=data["seq_len"], vocab_size=None, num_classes=None
+    )
     return bundle.vocab_size
 
 
@@ -155,7 +155,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
         config = settled(config)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError([ConfigIssue("data", str(error))], str(config.source)) from None
-    family = get_family(config.model["family"])
+    family = get_family(config.model.family)
     layout = parallel_layout(config)
     numels, parts, model = stage_numels(config, family)
     # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
@@ -164,49 +164,41 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
     element = 4 if config.compute_precision == "fp32" else 2
-    arch = family.architecture(config.model) | {"vocab_size": config.model.get("vocab_size")}
-    checkpointing = bool(config.model.get("activation_checkpointing", False)) or (
-        layout.pipeline > 1 and config.parallel["pipeline_activation_checkpoint_interval"] > 0
+    checkpointing = bool(config.model.activation_checkpointing) or (
+        layout.pipeline > 1 and config.parallel.pipeline_activation_checkpoint_interval > 0
     )
-    blocks = family.pipeline.num_blocks(arch)
-    if family.name == "resnet":
-        with torch.device("meta"):
-            example = torch.empty(micro, 3, config.data["image_size"], config.data["image_size"])
-        resnet_boundaries = stage_outputs(model, family, parts, example)
+    blocks = family.pipeline.num_blocks(family.architecture(config.model.fields))
+    estimate = family.plan_activations(
+        PlanShape(
+            config.model.fields,
+            config.data.as_mapping(),
+            model,
+            tuple(parts),
+            layout.pipeline,
+            layout.tensor,
+            micro,
+            element,
+        )
+    )
     ranks = []
     for rank in range(layout.world_size):
         where = layout.coordinates(rank)
         groups = numels[where.stage]
         stage = [numel for group in groups for numel in group]
-        if config.trainer["backend"] == "accelerate":
+        if config.trainer.backend == "accelerate":
             offload = zero.offload_optimizer or zero.offload_param
-            states = accelerate_state_bytes(shapes, _wrapper(config), layout.world_size, where.data, optimizer, offload)
+            states = accelerate_state_bytes(
+                shapes, config.accelerate_wrapper, layout.world_size, where.data, optimizer, offload
+            )
         else:
             states = state_bytes(groups, zero, layout.data, where.data, optimizer)
         # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
         in_flight = min(layout.pipeline - where.stage, accumulation)
-        last = where.stage == layout.pipeline - 1
         stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
-        if family.name == "gpt":
-            seq_len = config.data["seq_len"]
-
-            def activations(ckpt: bool, seq_len: int = seq_len, last: bool = last, n: int = stage_blocks) -> int:
-                return gpt_activation_bytes(arch, seq_len, micro, n, layout.tensor, element, ckpt, last)
-
-            hidden, tokens = arch["n_embd"], micro * seq_len
-            boundaries = [tokens * hidden] * (layout.pipeline - 1)
-        else:
-            whole = _resnet_activations(model, micro, config.data["image_size"], element) // layout.pipeline
-
-            def activations(ckpt: bool, whole: int = whole) -> int:
-                return whole // 4 if ckpt else whole
-
-            hidden, tokens = 0, 0  # no tensor-parallel form
-            boundaries = resnet_boundaries
         communication = Communication(
             data_parallel_bytes(zero.stage, sum(stage), element, layout.data),
-            tensor_parallel_bytes(stage_blocks, hidden, tokens, element, layout.tensor, accumulation),
-            pipeline_bytes(boundaries, element, where.stage, accumulation),
+            tensor_parallel_bytes(stage_blocks, estimate.hidden, estimate.tokens, element, layout.tensor, accumulation),
+            pipeline_bytes(estimate.boundaries, element, where.stage, accumulation),
         )
         ranks.append(
             RankPlan(
@@ -214,8 +206,8 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
                 where,
                 f"layers {parts[where.stage]}-{parts[where.stage + 1] - 1}",
                 states,
-                in_flight * activations(checkpointing),
-                in_flight * activations(not checkpointing),
+                in_flight * estimate.stage_bytes(where.stage, stage_blocks, checkpointing),
+                in_flight * estimate.stage_bytes(where.stage, stage_blocks, not checkpointing),
                 communication,
             )
         )
@@ -223,7 +215,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     adam_share = (
         f"1/{share * layout.tensor * layout.pipeline}" if share * layout.tensor * layout.pipeline > 1 else "all"
     )
-    memory = data_memory(data, micro, config.data["num_workers"]) if data is not None else None
+    memory = data_memory(data, micro, config.data.num_workers) if data is not None else None
     return Plan(
         config,
         ranks,
@@ -236,16 +228,6 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     )
 
 
-def _wrapper(config: EngineConfig) -> str:
-    return "ddp" if config.zero_stage in (0, 1) else "fsdp"
-
-
 def _stage_blocks(blocks: int, stages: int, stage: int) -> int:
     """Blocks on a stage when they are spread evenly (the "type" partition; an estimate otherwise)."""
     return blocks // stages + (1 if stage < blocks % stages else 0)
-
-
-def _resnet_activations(model: torch.nn.Module, micro: int, image_size: int, element: int) -> int:
-    with torch.device("meta"):
-        example = torch.empty(micro, 3, image_size, image_size)
-    return module_output_bytes(model, example, element)

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig
-from engine.hardware import Hardware
+from engine.launch.hardware import Hardware
 from engine.plan.data import DataSizes
 from engine.plan.planner import Plan, format_bytes, plan_run
+from models import get_family
 
 
 def table(plan: Plan) -> str:
@@ -18,8 +19,8 @@ def table(plan: Plan) -> str:
     config = plan.config
     memory = "host" if plan.one_pool else "device"
     lines = [
-        f"{config.model['family']} {config.model['preset']} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
-        f"{config.precision_label}, {config.trainer['backend']} backend; optimizer states per rank: {plan.adam_share}",
+        f"{config.model.family} {config.model.preset} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
+        f"{config.precision_label}, {config.trainer.backend} backend; optimizer states per rank: {plan.adam_share}",
         f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
         f"{'offloaded':>12} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
     ]
@@ -34,7 +35,7 @@ def table(plan: Plan) -> str:
             f"{format_bytes(rank.communication.total):>12}"
         )
     other = "without" if plan.checkpointing else "with"
-    if config.trainer["backend"] != "accelerate":
+    if config.trainer.backend != "accelerate":
         rules = "DeepSpeed's partitioning and padding"
     elif config.zero_stage == 0:
         rules = "DDP holds every tensor whole"
@@ -113,13 +114,13 @@ def _budget(memory: str, holder: str, needed: int, available: int) -> tuple[bool
 def explain(plan: Plan) -> str:
     config = plan.config
     layout_line = (
-        f"{config.world_size} rank(s): {config.parallel['pipeline_parallel_size']} pipeline stage(s) x "
-        f"{config.dp_size} data-parallel replica(s) x {config.parallel['tensor_parallel_size']} tensor shard(s), "
+        f"{config.world_size} rank(s): {config.parallel.pipeline_parallel_size} pipeline stage(s) x "
+        f"{config.dp_size} data-parallel replica(s) x {config.parallel.tensor_parallel_size} tensor shard(s), "
         f"ZeRO-{config.zero_stage}, {config.precision_label}"
     )
     lines = [layout_line]
-    tensor, data = config.parallel["tensor_parallel_size"], config.dp_size
-    stages = config.parallel["pipeline_parallel_size"]
+    tensor, data = config.parallel.tensor_parallel_size, config.dp_size
+    stages = config.parallel.pipeline_parallel_size
     for rank in plan.ranks:
         states, where = rank.states, rank.where
         if plan.one_pool:
@@ -198,7 +199,7 @@ def suggest(
 def _checkpointing_override(config: EngineConfig, pipeline: int, on: bool) -> str:
     if pipeline > 1:
         return f"parallel.pipeline_activation_checkpoint_interval={1 if on else 0}"
-    if config.model["family"] == "gpt":
+    if get_family(config.model.family).suggests_checkpointing:
         return f"model.activation_checkpointing={'true' if on else 'false'}"
     return "parallel.pipeline_activation_checkpoint_interval=0"
 
@@ -213,7 +214,7 @@ def describe_candidate(candidate: Candidate) -> str:
     return (
         f"ZeRO-{config.zero_stage}"
         + (f" offload {'+'.join(offload)}" if offload else "")
-        + f", TP {config.parallel['tensor_parallel_size']}, PP {config.parallel['pipeline_parallel_size']}, "
+        + f", TP {config.parallel.tensor_parallel_size}, PP {config.parallel.pipeline_parallel_size}, "
         f"micro-batch {config.document['train_micro_batch_size_per_gpu']} x "
         f"{config.document['gradient_accumulation_steps']}, checkpointing {checkpointing}: {memory}, "
         f"comm {format_bytes(plan.communication)}/step\n    --set " + " --set ".join(candidate.overrides)

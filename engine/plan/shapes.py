@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,8 +14,8 @@ from deepspeed.pipe import LayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
+from engine.backends.optim import parameter_groups
 from engine.config import EngineConfig
-from engine.optim import parameter_groups
 from models import ModelFamily
 from models.tensor_parallel import TensorParallelPlan
 
@@ -99,33 +99,21 @@ def stage_parameters(
     return result, list(parts)
 
 
-def stage_outputs(model: nn.Module, family: ModelFamily, parts: Sequence[int], example: torch.Tensor) -> list[int]:
-    """Elements each stage but the last sends the next one per micro-batch: the output of its last
-    layer, found by running the layers in turn on a meta `example` (a ResNet's layers each take
-    the one tensor the layer before returns)."""
-    outputs = []
-    hidden = example
-    for layer in family.pipeline.layers(model):
-        hidden = (layer.build() if isinstance(layer, LayerSpec) else layer)(hidden)
-        outputs.append(hidden.numel())
-    return [outputs[end - 1] for end in parts[1:-1]]
-
-
 def stage_numels(config: EngineConfig, family: ModelFamily) -> tuple[list[list[list[int]]], list[int], nn.Module]:
     """Per pipeline stage, the trainable element counts one tensor shard holds, per optimizer group
-    (`engine.optim.parameter_groups`), in flattening order; the stages' cut points; the meta model."""
-    model = build_on_meta(family, config.model)
-    tensor = config.parallel["tensor_parallel_size"]
+    (`engine.backends.optim.parameter_groups`), in flattening order; the stages' cut points; the meta model."""
+    model = build_on_meta(family, config.model.fields)
+    tensor = config.parallel.tensor_parallel_size
     split = sharded_parameters(model, family.tensor_parallel, tensor)
     stages, parts = stage_parameters(
         model,
         family,
-        config.parallel["pipeline_parallel_size"],
-        config.parallel["pipeline_partition_method"],
+        config.parallel.pipeline_parallel_size,
+        config.parallel.pipeline_partition_method,
         split,
         tensor,
     )
-    section, decay_on = config.document["optimizer"], config.trainer["weight_decay_on"]
+    section, decay_on = config.document["optimizer"], config.trainer.weight_decay_on
     numels = [
         [local_numels(group["params"], split, tensor) for group in parameter_groups(parameters, section, decay_on)]
         for parameters in stages

@@ -1,6 +1,6 @@
 """The bytes of parameters, gradients and optimizer states one rank holds, from the element counts
 of its parameters: DeepSpeed's own flattening, alignment and partitioning rules restated, so that
-the prediction equals what `engine.memory.rank_memory` counts on the live rank, byte for byte.
+the prediction equals what `engine.observability.memory.rank_memory` counts on the live rank, byte for byte.
 
 Each rule cites the DeepSpeed 0.19 code it restates (paths under deepspeed/runtime/), or torch's
 FSDP2 for the accelerate backend (under torch/distributed/fsdp/_fully_shard/). Verified byte-exact

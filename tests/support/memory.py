@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
 from engine.plan import plan_run
 from tests.support.launch import Run, _text
 

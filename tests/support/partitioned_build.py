@@ -17,19 +17,20 @@ import deepspeed
 import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from engine.backends.factory import build_backend
+from engine.backends.base import StepHooks
+from engine.backends.factory import backend_settings, build_backend
 from engine.config import load_config
-from engine.distributed import init_process_group
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
+from engine.parallel.process_group import init_process_group
 from engine.prepare import load_data, settle_vocabulary
-from engine.run import seed_everything
 from models import get_family
+from models.common import seed_everything
 
 
 def main(config_path: str, out: Path, overrides: list[str]) -> None:
     config = load_config(config_path, overrides, world_size=2, hardware=detect_hardware(local_world_size=2))
     config = settle_vocabulary(config, load_data(config))
-    family = get_family(config.model["family"])
+    family = get_family(config.model.family)
     built: dict[str, int] = {}
 
     def recording_build(section: dict) -> torch.nn.Module:
@@ -40,14 +41,15 @@ def main(config_path: str, out: Path, overrides: list[str]) -> None:
         return model
 
     device = init_process_group("cpu")
-    seed_everything(config.trainer["seed"])
-    backend, _ = build_backend(config, dataclasses.replace(family, build=recording_build), device, torch.float32)
+    seed_everything(config.trainer.seed)
+    recording = dataclasses.replace(family, build=recording_build)
+    backend, _ = build_backend(config, backend_settings(config, recording, device, StepHooks()))
     integration_after = is_deepspeed_zero3_enabled()
     module = backend.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         started = {name: p.detach().clone() for name, p in module.named_parameters()}
-    seed_everything(config.trainer["seed"])
-    plain = dict(family.build(config.model).named_parameters())
+    seed_everything(config.trainer.seed)
+    plain = dict(family.build(config.model.fields).named_parameters())
     record = {
         **built,
         "integration_after_build": integration_after,

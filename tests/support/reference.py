@@ -11,13 +11,12 @@ import torch
 from torch.utils.data import Dataset
 
 from data import make_eval_loader, make_train_loader
+from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig, load_config
-from engine.hardware import detect_hardware
-from engine.optim import build_optimizer, build_scheduler, parameter_groups
+from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data, settle_vocabulary
-from engine.run import seed_everything
 from models import get_family
-from models.common import IGNORE_INDEX
+from models.common import IGNORE_INDEX, seed_everything
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,17 +45,17 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     bundle = load_data(config)
     config = settle_vocabulary(config, bundle)
     doc, trainer = config.document, config.trainer
-    family = get_family(config.model["family"])
+    family = get_family(config.model.family)
     # Same per-rank thread count as the launched ranks, so CPU kernels reduce in the same order.
-    torch.set_num_threads(trainer["threads_per_rank"])
-    seed_everything(trainer["seed"])
-    model = family.build(config.model)
+    torch.set_num_threads(trainer.threads_per_rank)
+    seed_everything(trainer.seed)
+    model = family.build(config.model.fields)
     model.train()
-    offload = doc["zero_optimization"]["offload_optimizer"]["device"] != "none" and trainer["backend"] == "deepspeed"
+    offload = doc["zero_optimization"]["offload_optimizer"]["device"] != "none" and trainer.backend == "deepspeed"
     # Under optimizer offload DeepSpeed runs its C++ CPU Adam, whose arithmetic differs from torch's
     # Adam in the last bit; the reference uses the same class, so the comparison measures what
     # ZeRO and offload do (partitioning, moving, reducing), not two Adam kernels.
-    groups = parameter_groups(model.parameters(), doc["optimizer"], trainer["weight_decay_on"])
+    groups = parameter_groups(model.parameters(), doc["optimizer"], trainer.weight_decay_on)
     optimizer = build_optimizer(doc["optimizer"], groups, cpu_adam=offload)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, dp = doc["gradient_accumulation_steps"], config.dp_size
@@ -67,12 +66,12 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
             grad_accum=accumulation,
             dp_rank=rank,
             dp_size=dp,
-            seed=trainer["seed"],
+            seed=trainer.seed,
         )
         for rank in range(dp)
     ]
     losses, grad_norms = [], []
-    for _ in range(trainer["max_steps"]):
+    for _ in range(trainer.max_steps):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for _ in range(accumulation):
@@ -92,7 +91,7 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
             scheduler.step()
         losses.append(total / (accumulation * dp))
     eval_loss = None
-    if config.model["family"] == "gpt":
+    if config.model.family == "gpt":
         eval_loss = _evaluate(model, bundle.validation, doc["train_micro_batch_size_per_gpu"], dp, config)
     return ReferenceRun(config, losses, grad_norms, model, eval_loss)
 
@@ -107,7 +106,7 @@ def _evaluate(model: torch.nn.Module, validation: Dataset, micro_batch: int, dp:
                 micro_batch_size=micro_batch,
                 dp_rank=rank,
                 dp_size=dp,
-                max_batches=config.trainer["eval_batches"],
+                max_batches=config.trainer.eval_batches,
             )
             for batch in loader:
                 logits = model(input_ids=batch["input_ids"]).logits.float()

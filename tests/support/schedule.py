@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.timeline import COMPUTE_KINDS, PipelineEvent
+from engine.backends.pipeline_timeline import COMPUTE_KINDS, PipelineEvent
 
 
 def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:

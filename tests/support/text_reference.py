@@ -1,6 +1,6 @@
 """The text path as it was before the token cache: every document read into memory through the
 `datasets` builders and tokenized one by one. The cached, memory-mapped path must give exactly
-these tokens (tests/test_token_cache.py)."""
+these tokens (tests/unit/test_token_cache.py)."""
 
 from collections.abc import Sequence
 from pathlib import Path

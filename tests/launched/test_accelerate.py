@@ -1,6 +1,6 @@
 """The accelerate backend, launched for real with `accelerate launch` (2 CPU processes, gloo):
 DDP and torch FSDP2 from the same JSON config train the same numbers as the single-process
-reference (which the DeepSpeed backend matches too: tests/test_parity.py), FSDP really shards,
+reference (which the DeepSpeed backend matches too: tests/launched/test_parity.py), FSDP really shards,
 resume is exact, and the launcher's own settings cannot contradict the config."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from engine.failures.faults import Fault, parse_fault
+from engine.failures.faults import parse_fault
 from tests.support.launch import (
     ROOT,
     accelerate_env,
@@ -31,11 +31,6 @@ TIMEOUT_S = 10
 # Start-up (imports, process group, first step) on a loaded 2-core machine, plus the timeout.
 JOB_END_LIMIT_S = 60
 FAULT_RUN = {"trainer.max_steps": 6, "trainer.comm_timeout_s": TIMEOUT_S, "trainer.export": "false"}
-
-
-def test_fault_spec_parses():
-    assert parse_fault("kill,rank=1,step=3") == Fault("kill", 1, 3)
-    assert parse_fault("hang, rank=0, step=2, at=step") == Fault("hang", 0, 2)
 
 
 @pytest.mark.parametrize(

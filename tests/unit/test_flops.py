@@ -6,15 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine.flops import (
-    achieved_flops_per_device,
-    device_peak_flops,
-    forward_macs,
-    gpt_flops_per_token,
-    mfu,
-    resnet_flops_per_image,
-)
+from engine.launch.hardware import device_peak_flops
+from engine.observability.flops import achieved_flops_per_device, mfu
 from models import count_parameters, get_family
+from models.costs import forward_macs
+from models.gpt import flops_per_token as gpt_flops_per_token
+from models.resnet import flops_per_image as resnet_flops_per_image
 
 GPT2_124M_PARAMETERS = 124_439_808  # GPT-2 small as OpenAI released it, position table included
 RESNET50_PARAMETERS = 25_557_032  # torchvision's resnet50

@@ -1,5 +1,5 @@
-"""The pipeline timeline: the bubble arithmetic on synthetic schedules, the chart and events files, and
-one real two-stage run whose recorded schedule is DeepSpeed's 1F1B with the bubble the formula gives."""
+"""The pipeline timeline: the bubble arithmetic on synthetic schedules, and the chart and events
+files. The real two-stage run is in tests/launched/test_timeline_launched.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from deepspeed.runtime.pipe import schedule
-from PIL import Image
 
-from engine.timeline import (
+from engine.backends.pipeline_timeline import (
     PipelineEvent,
     RankTimeline,
     bubble_formula,
@@ -19,9 +18,8 @@ from engine.timeline import (
     replay_in_stage_time,
     save_timeline,
 )
-from tests.support.launch import launch
-from tests.support.monitor import MONITORS, assert_monitor_holds
-from tests.support.schedule import compute_order, one_f_one_b_order
+from tests.support.schedule import one_f_one_b_order
+from tests.support.timeline import assert_chart
 
 FORWARD_S = 1.0  # a backward takes twice as long
 
@@ -104,42 +102,3 @@ def test_the_chart_and_the_events_are_written(tmp_path: Path):
 
 def shifted(event: PipelineEvent, seconds: float) -> PipelineEvent:
     return replace(event, start=event.start + seconds, end=event.end + seconds)
-
-
-def assert_chart(path: Path) -> None:
-    with Image.open(path) as image:
-        image.load()
-        assert image.width > 100 and image.height > 100
-
-
-# Two stages of two blocks each (partition by block), 512 tokens per micro-batch: a pass takes about
-# 0.1 s on one CPU core, a hundred times a send between the stages. Three steps, the last one recorded.
-PP2_M4 = {
-    "parallel.pipeline_parallel_size": 2,
-    "parallel.pipeline_partition_method": "type",
-    "gradient_accumulation_steps": 4,
-    "train_micro_batch_size_per_gpu": 4,
-    "model.n_layer": 4,
-    "model.n_embd": 256,
-    "model.n_head": 4,
-    "model.n_positions": 128,
-    "trainer.max_steps": 4,
-    "trainer.export": False,
-}
-
-
-@pytest.mark.launch
-def test_a_two_stage_run_records_1f1b_with_the_formula_bubble(tmp_path: Path):
-    # The monitors ride along: DeepSpeed's pipeline engine must log the engine's records, evaluation included.
-    run = launch("configs/tiny_gpt.json", {**PP2_M4, **MONITORS}, tmp_path / "run", nproc=2)
-    assert_chart(run.output_dir / "pipeline_timeline.png")
-    document = json.loads((run.output_dir / "pipeline_timeline.json").read_text())
-    for timeline in document["ranks"]:
-        events = [PipelineEvent(**event) for event in timeline["events"]]
-        assert compute_order(events) == one_f_one_b_order(timeline["stage"], 2, 4)
-    assert sorted(timeline["stage"] for timeline in document["ranks"]) == [0, 1]
-    assert document["measured_bubble"] == pytest.approx(0.2, rel=0.1), document["measured_bubble"]
-    assert "pipeline bubble: measured" in run.stdout and "(p-1)/(m+p-1) = 0.20 (p=2, m=4)" in run.stdout
-    assert {"time_forward_s", "time_backward_s", "time_communication_s"} <= run.records[-1].keys()
-    assert_monitor_holds(run.output_dir, "loss")
-    assert_monitor_holds(run.output_dir, "eval_loss")

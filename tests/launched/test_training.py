@@ -16,8 +16,8 @@ from PIL import Image
 from transformers import GPT2LMHeadModel
 
 from data import load_saved_tokenizer
-from engine.flops import gpt_flops_per_token
 from models import get_family
+from models.gpt import flops_per_token as gpt_flops_per_token
 from tests.support.compare import (
     CLIPPED_WEIGHT_TOLERANCE,
     LOSS_TOLERANCE,

@@ -7,8 +7,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,25 +26,14 @@ from data.tokens.files import open_prepared
 from engine.cli import main as cli_main
 from tests.support.launch import ROOT
 from tests.support.text_reference import read_documents, token_stream
+from tests.support.token_cache import SONNETS, cache_folders, write
 
-SONNETS = DEFAULT_CORPUS.read_text(encoding="utf-8")
-"""Real text that ships with the engine (tests never depend on ../shared)."""
-OUTPUT = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
 SAMPLE = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
-
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 def reference_stream(paths: list[Path], tokenizer, text_field: str = "text") -> tuple[np.ndarray, np.ndarray | None]:
     train, validation = read_documents(paths, text_field)
     return token_stream(train, tokenizer), None if validation is None else token_stream(validation, tokenizer)
-
-
-def cache_folders(cache: Path) -> list[Path]:
-    return sorted(p for p in cache.iterdir() if p.is_dir())
 
 
 def corpora(tmp_path: Path) -> dict[str, tuple[list[Path], str]]:
@@ -182,47 +169,6 @@ def test_a_process_waits_for_the_one_building_and_gives_up_with_a_clear_message(
         with pytest.raises(CacheWaitTimeout, match=r"data.cache_timeout_s: waited 0.5 s for pid 4242 on node-a"):
             load_text_dataset(corpus, seq_len=8, cache_dir=cache, cache_timeout_s=0.5)
     assert len(load_text_dataset(corpus, seq_len=8, cache_dir=cache).train) > 0  # released: built at once
-
-
-def test_two_processes_building_the_same_cache_at_once_tokenize_it_once(tmp_path):
-    """Both start while the corpus's lock is held (as on a node whose ranks start together), so both
-    must wait; once it is free, one of them tokenizes and the other reads what it wrote."""
-    corpus = write(tmp_path / "big.txt", SONNETS * 32)
-    cache = tmp_path / "cache"
-    load_text_dataset(corpus, seq_len=64, cache_dir=cache)
-    (folder,) = cache_folders(cache)
-    shutil.rmtree(folder)
-    code = (
-        "from data.text import load_text_dataset; "
-        f"d = load_text_dataset({str(corpus)!r}, seq_len=64, cache_dir={str(cache)!r}); print('windows', len(d.train))"
-    )
-    with open(folder.with_name(folder.name + ".lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        processes = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, **OUTPUT) for _ in range(2)]
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and any(p.poll() is None for p in processes):
-            time.sleep(0.5)
-            if len([p for p in processes if p.poll() is None]) == 2 and _waiting(processes):
-                break
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-    assert all(process.returncode == 0 for process in processes), outputs
-    assert all("data: waiting for" in output for output in outputs), outputs
-    assert sum(output.count("data: tokenizing") for output in outputs) == 1, outputs
-    assert len({line for output in outputs for line in output.splitlines() if line.startswith("windows")}) == 1
-    assert len(cache_folders(cache)) == 1 and not list(cache.glob("*.partial-*"))
-
-
-def _waiting(processes: list[subprocess.Popen]) -> bool:
-    """Whether both processes have reached the lock: each then holds it open (seen in /proc)."""
-    holders = 0
-    for process in processes:
-        try:
-            fds = list(Path(f"/proc/{process.pid}/fd").iterdir())
-            holders += any(os.readlink(fd).endswith(".lock") for fd in fds)
-        except OSError:  # it exited, or closed a descriptor while being looked at
-            return False
-    return holders == 2
 
 
 def test_prepare_data_tokenizes_the_configs_corpus_once(tmp_path, capsys):

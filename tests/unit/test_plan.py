@@ -1,13 +1,11 @@
 """The planner on the CPU, without launches: exact model-state bytes worked out here from the
-architecture (not copied from the planner), verdicts, explain and suggest, and bad input."""
+architecture (not copied from the planner), data memory, verdicts and suggest. The `plan` and
+`explain` commands, run as a user runs them, are in tests/launched/test_plan_launched.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -23,16 +21,14 @@ from data.streaming import StreamedCorpus
 from data.text import PackedTokens
 from data.tokenizers import ByteTokenizer
 from engine.config import load_config
-from engine.hardware import Hardware, detect_hardware
+from engine.launch.hardware import Hardware, detect_hardware
 from engine.plan import DataSizes, data_sizes, format_bytes, parse_bytes, plan_run, verdict
 from engine.plan.data import data_memory
 from engine.prepare import load_data
 from models import get_family
-from tests.support.launch import ROOT
+from tests.support.plan import GPT2, HIDDEN, LAYERS, POSITIONS, VOCAB
 
-GPT2 = "configs/gpt2_124m.json"
 RESNET = "configs/tiny_resnet.json"
-HIDDEN, LAYERS, VOCAB, POSITIONS = 768, 12, 50257, 1024
 # The planner reads no data, so the config's corpus need not exist here; GPT-2's own vocabulary
 # (the config's byte tokenizer would otherwise settle "auto" to 256 rows).
 NO_DATA = ["data.path=null", f"model.vocab_size={VOCAB}"]
@@ -62,14 +58,6 @@ def machine(device_type: str, ranks_per_node: int) -> Hardware:
     """A node to plan for, whatever this one is: a GPU node's ranks have a device each, a CPU node's
     only the host."""
     return Hardware(device_type, True, True, cpu_count=16, local_world_size=ranks_per_node)
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """The command checks the data as a launch would; synthetic data fills any batch. CUDA hidden, so
-    the plan is of a CPU machine wherever the test runs."""
-    command = [sys.executable, "-m", "engine", *args, "--set=data.type=synthetic"]
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment)
 
 
 FP32_ZERO3_FULL_OFFLOAD = [
@@ -144,57 +132,6 @@ def test_fsdp_allocates_padded_row_pieces_and_the_last_rank_holds_fewer_rows():
         assert rank.states.offloaded == rank.states.total  # CPUOffloadPolicy: everything lives on the host
 
 
-def test_cli_plan_fits_512gib_of_host_and_says_so():
-    result = run_cli(
-        "plan",
-        GPT2,
-        f"--set=model.vocab_size={VOCAB}",
-        "--world-size",
-        "8",
-        "--host-memory",
-        "512GiB",
-        "--set",
-        "zero_optimization.stage=3",
-        "--set",
-        "zero_optimization.offload_optimizer.device=cpu",
-    )
-    assert result.returncode == 0, result.stderr
-    assert "no accelerator here" in result.stdout and "data:" in result.stdout
-    assert "host:" in result.stdout and "fits" in result.stdout and "does not fit" not in result.stdout
-
-
-def test_cli_plan_reports_by_how_much_it_does_not_fit():
-    result = run_cli("plan", GPT2, "--world-size", "2", "--host-memory", "1GiB")
-    assert result.returncode == 1
-    assert "does not fit" in result.stdout and "over" in result.stdout
-
-
-def test_cli_plan_refuses_a_device_budget_where_there_is_no_device():
-    result = run_cli("plan", "configs/tiny_gpt.json", "--device-memory", "80GiB")
-    assert result.returncode == 2
-    assert "no accelerator" in result.stderr and "--host-memory" in result.stderr
-
-
-@pytest.mark.parametrize(
-    "args,expected",
-    [
-        (["--device-memory", "80GB?"], "'80GB?' is not a memory size"),
-        (["--set", "model.n_layers=3"], "model.n_layers"),
-    ],
-)
-def test_cli_plan_refuses_bad_input_with_one_message(args: list[str], expected: str):
-    result = run_cli("plan", "configs/tiny_gpt.json", "--world-size", "2", *args)
-    assert result.returncode == 2
-    assert expected in result.stderr
-
-
-def test_explain_tells_each_rank_its_place_and_share():
-    result = run_cli("explain", "configs/3d.json", "--world-size", "8")
-    assert result.returncode == 0, result.stderr
-    assert "rank 3: stage 1 of 2" in result.stdout
-    assert "TP shard 2 of 2" in result.stdout
-
-
 def test_suggest_lists_only_layouts_that_fit_cheapest_first():
     from engine.plan import suggest
     from engine.plan.report import verdict
@@ -231,13 +168,13 @@ def test_the_type_partition_splits_the_blocks_where_deepspeed_does(config: str):
     each layer's class name) and its balancing, against the layer ranges the planner reports."""
     overrides = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_partition_method=type"]
     plan = plan_run(load_config(config, overrides, world_size=2, hardware=detect_hardware(local_world_size=2)))
-    family = get_family(plan.config.model["family"])
+    family = get_family(plan.config.model.family)
     with torch.device("meta"):
-        layers = family.pipeline.layers(family.build(plan.config.model))
+        layers = family.pipeline.layers(family.build(plan.config.model.fields))
     matcher = types.SimpleNamespace(_layer_specs=layers)
     blocks = PipelineModule._find_layer_type(matcher, family.pipeline.block_type)
     parts = partition_balanced([1 if index in blocks else 0 for index in range(len(layers))], num_parts=2)
-    assert len(blocks) == family.pipeline.num_blocks(family.architecture(plan.config.model))
+    assert len(blocks) == family.pipeline.num_blocks(family.architecture(plan.config.model.fields))
     assert [rank.layers for rank in plan.ranks] == [f"layers {parts[s]}-{parts[s + 1] - 1}" for s in (0, 1)]
 
 
@@ -248,7 +185,7 @@ def test_resnet_stages_send_the_feature_map_at_their_cut():
     config = load_config(RESNET, overrides, world_size=2, hardware=detect_hardware(local_world_size=2))
     plan = plan_run(config)
     micro, fp32 = config.document["train_micro_batch_size_per_gpu"], 4
-    assert config.data["image_size"] == 64 and config.document["gradient_accumulation_steps"] == 1
+    assert config.data.image_size == 64 and config.document["gradient_accumulation_steps"] == 1
     assert [rank.layers for rank in plan.ranks] == ["layers 0-4", "layers 5-9"]
     assert [rank.communication.pipeline for rank in plan.ranks] == [micro * 128 * 8 * 8 * fp32] * 2
 
@@ -276,7 +213,7 @@ def test_a_text_corpus_is_mapped_once_per_node_and_ordered_by_every_rank(tmp_pat
     bundle = load_data(config)
     assert bundle.tokenizer.vocab_size == 300
     tokens = len(bundle.tokenizer.encode(text))  # one document: no end-of-text id
-    seq_len, micro = config.data["seq_len"], config.document["train_micro_batch_size_per_gpu"]
+    seq_len, micro = config.data.seq_len, config.document["train_micro_batch_size_per_gpu"]
     samples = (int(tokens * 0.9) - seq_len - 1) // seq_len + 1  # windows of seq_len + 1 tokens, seq_len apart
 
     plan = plan_run(config, machine("cuda", 2), data_sizes(bundle))
@@ -393,7 +330,7 @@ def test_without_an_accelerator_a_rank_holds_everything_in_host_memory():
     fit; on a CPU the parameters, the device gradients and the activations are host memory too."""
     overrides = FP32_ZERO3_FULL_OFFLOAD
     config = load_config(GPT2, [*NO_DATA, *overrides], world_size=1, hardware=detect_hardware(local_world_size=1))
-    seq_len, micro = config.data["seq_len"], config.document["train_micro_batch_size_per_gpu"]
+    seq_len, micro = config.data.seq_len, config.document["train_micro_batch_size_per_gpu"]
     sizes = DataSizes(samples=5000, sample_bytes=2 * 8 * seq_len, loaded=0, mapped=3 * 2**30, blend_index=0)
     numels = gpt2_parameter_numels()  # one rank: each parameter whole
     persistent = sum(numel for numel in numels if numel <= 10 * HIDDEN)

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,21 +17,16 @@ from engine.config.overrides import apply_overrides
 from engine.config.reference import render_reference
 from engine.config.resolve import resolve
 from engine.config.validate import fill_defaults
-from engine.hardware import Hardware
+from engine.launch.hardware import Hardware
 from models.resnet import torchvision_available
+from tests.support.config import BASE, with_changes
+from tests.support.launch import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.json"))
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=2)
 GPU = Hardware(
     "cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=8, name="NVIDIA H100 80GB HBM3"
 )
-
-BASE = {
-    "train_micro_batch_size_per_gpu": 2,
-    "model": {"family": "gpt", "preset": "tiny", "n_embd": 32, "n_head": 2},
-    "data": {"type": "text"},
-}
 
 
 def fake_cifar(directory: Path) -> Path:
@@ -49,17 +41,6 @@ def issues_of(document: dict, world_size: int = 1, hardware: Hardware | None = C
     with pytest.raises(ConfigError) as caught:
         check_document(document, world_size, hardware)
     return [str(issue) for issue in caught.value.issues]
-
-
-def with_changes(**changes) -> dict:
-    document = copy.deepcopy(BASE)
-    for dotted, value in changes.items():
-        target = document
-        *parents, last = dotted.split("__")
-        for key in parents:
-            target = target.setdefault(key, {})
-        target[last] = value
-    return document
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -560,66 +541,8 @@ def test_a_key_given_twice_is_refused_with_its_path(tmp_path: Path):
     ]
 
 
-@pytest.mark.parametrize("world_size", ["0", "-2", "two"])
-def test_a_world_size_below_one_is_refused_by_the_command(world_size: str):
-    result = subprocess.run(
-        [sys.executable, "-m", "engine", "validate", "configs/tiny_gpt.json", "--world-size", world_size],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert f"argument --world-size: expected a whole number >= 1, got '{world_size}'" in result.stderr
-
-
-def test_validate_command_reports_every_problem_and_exits_nonzero(tmp_path: Path):
-    config = tmp_path / "bad.json"
-    config.write_text(json.dumps(with_changes(zero_optimisation={"stage": 2}, trainer__max_step=1)))
-    result = subprocess.run(
-        [sys.executable, "-m", "engine", "validate", str(config), "--world-size", "8"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert "(2 problems)" in result.stderr
-    assert 'zero_optimisation: unknown key (did you mean "zero_optimization"?)' in result.stderr
-    assert 'trainer.max_step: unknown key (did you mean "max_steps"?)' in result.stderr
-
-
-def test_validate_command_accepts_a_shipped_config_for_eight_ranks():
-    result = subprocess.run(
-        [sys.executable, "-m", "engine", "validate", "configs/zero3_offload.json", "--world-size", "8"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "ZeRO-3" in result.stdout and "x 8 = 64" in result.stdout
-
-
 def test_config_reference_is_generated_from_the_schema():
     committed = (ROOT / "docs" / "config_reference.md").read_text()
     assert committed == render_reference(), "docs/config_reference.md is stale: run `python -m engine docs`"
     for key in ("zero_optimization.offload_param.device", "model.n_head", "trainer.resume", "data.seq_len"):
         assert f"`{key}`" in committed
-
-
-def test_every_rank_prints_a_config_error(tmp_path: Path):
-    # The launcher ends the other ranks as soon as one exits, so rank 1 must not leave the message to rank 0.
-    rank_one = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    result = subprocess.run(
-        [sys.executable, "engine/main.py", "--deepspeed_config", "configs/tiny_gpt.json"]
-        + ["--set=trainer.max_steps=0", f"--set=trainer.output_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **rank_one},
-        timeout=120,
-    )
-    assert result.returncode == 2
-    assert "trainer.max_steps" in result.stderr, result.stderr[-2000:]
-    assert not (tmp_path / "logs").exists()

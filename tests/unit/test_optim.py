@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.optim import build_optimizer, parameter_groups
+from engine.backends.optim import build_optimizer, parameter_groups
 from models import get_family
 
 ADAMW = {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.5}}

@@ -6,6 +6,7 @@ wrap. Every corpus is a few tiny files in tmp_path."""
 import io
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -14,9 +15,8 @@ import torch
 
 from data.streaming import StreamedWindows, stream_micro_batches
 from data.tokenizers import ByteTokenizer, HFTokenizer
-from engine.checkpoints.layout import ReshapeError, layout_record, needs_conversion
-from engine.prepare import RunError, prepare
-from tests.support.launch import launch, set_arguments
+from engine.checkpoints.reshape import ReshapeError, SavedLayout, needs_conversion
+from tests.support.streaming import offline  # noqa: F401 (a fixture: pytest finds it by name)
 
 EOS = 0
 SAMPLE_TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
@@ -37,16 +37,9 @@ class EosBytes(ByteTokenizer):
         return EOS
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """As the engine runs (engine/__init__.py): no hub requests, not even the download-count ping
-    that `load_dataset` sends for a packaged builder, which stalls for seconds without a network."""
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-
-
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory):
-    """A small byte-level BPE tokenizer with an end-of-text token, as tests/test_data.py builds one."""
+    """A small byte-level BPE tokenizer with an end-of-text token, as tests/unit/test_data.py builds one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -292,52 +285,12 @@ def test_unusable_sources_are_reported(tmp_path):
         windows(path, dp_size=2)
 
 
-# --- launched: a streamed corpus trains on two ranks and resumes exactly ----------------------------
-
-
-@pytest.mark.launch
-def test_a_streamed_run_resumed_from_a_checkpoint_continues_exactly(tmp_path: Path):
-    """Two ranks stream their halves of the rows; a run resumed from the step-3 checkpoint reads on from
-    each rank's saved position, so its losses and final weights are the uninterrupted run's."""
-    rows = [{"text": f"{i}: " + "Whether 'tis nobler in the mind to suffer " * (1 + i % 5)} for i in range(60)]
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for shard in range(2):
-        lines = (json.dumps(row) for row in rows[shard::2])
-        (corpus / f"part{shard}.jsonl").write_text("\n".join(lines) + "\n")
-    held_out = tmp_path / "held_out.txt"
-    held_out.write_text("To be, or not to be, that is the question. " * 30)
-    run = {
-        "data.streaming": True,
-        "data.path": str(corpus),
-        "data.validation_path": str(held_out),
-        "data.tokenizer": "byte",
-        "model.dropout": 0.1,
-        "zero_optimization.stage": 1,
-        "gradient_accumulation_steps": 2,
-        "trainer.max_steps": 6,
-        "trainer.save_interval": 3,
-    }
-    straight = launch("configs/tiny_gpt.json", run, tmp_path / "straight")
-    checkpoint = tmp_path / "straight" / "checkpoints" / "step00000003"
-    assert all((checkpoint / "data" / f"rank{rank}.pt").is_file() for rank in (0, 1))
-    resumed = launch("configs/tiny_gpt.json", {**run, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
-    assert [record["step"] for record in resumed.records] == [4, 5, 6]
-    assert resumed.losses == straight.losses[3:]
-    final, expected = resumed.exported_state_dict(), straight.exported_state_dict()
-    for name in expected:
-        assert torch.equal(final[name], expected[name]), name
-    one_rank = {**run, "trainer.resume": str(checkpoint), "trainer.output_dir": str(tmp_path / "one")}
-    with pytest.raises(RunError, match="data.streaming: checkpoint .* saved by 2 data-parallel ranks"):
-        prepare("configs/tiny_gpt.json", [argument.removeprefix("--set=") for argument in set_arguments(one_rank)])
-
-
 def test_a_streamed_checkpoint_resumes_only_on_its_own_layout(tmp_path: Path):
     """Positions are kept rank by rank, and a pipeline's middle stages read none: any other split of the
     ranks, even at the same data-parallel size, would look up positions that were never saved."""
 
-    def record(data: int, pipeline: int, streamed: bool = True) -> dict:
-        return layout_record("deepspeed", data, pipeline, 1, 1, 256, 2, "byte", 8, None, streamed)
+    def record(data: int, pipeline: int, streamed: bool = True) -> SavedLayout:
+        return SavedLayout("deepspeed", data, pipeline, 1, 1, 256, 2, "byte", 8, None, streamed)
 
     assert needs_conversion(record(2, 1), record(2, 1), tmp_path) is False
     with pytest.raises(ReshapeError, match=r"saved by 2 data-parallel ranks .* this run is .* 2 x 2 x 1"):
@@ -345,4 +298,4 @@ def test_a_streamed_checkpoint_resumes_only_on_its_own_layout(tmp_path: Path):
     with pytest.raises(
         ReshapeError, match="data.streaming: .* trained with data.streaming true and this run has false"
     ):
-        needs_conversion(record(2, 1), {**record(2, 1, streamed=False), "train_samples": 100}, tmp_path)
+        needs_conversion(record(2, 1), replace(record(2, 1, streamed=False), train_samples=100), tmp_path)

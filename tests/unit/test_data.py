@@ -29,7 +29,8 @@ from data.text import PackedTokens, load_text_dataset
 from data.tokenizers import ByteTokenizer, CharTokenizer, HFTokenizer, load_tokenizer
 from data.transforms import normalize, pad_and_crop
 from engine.config import load_config
-from engine.hardware import detect_hardware
+from engine.launch.hardware import detect_hardware
+from models import get_family
 from models.common import IGNORE_INDEX
 from tests.support.launch import ROOT
 from tests.support.text_reference import token_stream
@@ -41,7 +42,12 @@ SAMPLE_TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler i
 
 def build(config, family, seq_len=None, vocab_size=None, num_classes=None):
     return build_datasets(
-        config, family=family, seed=0, seq_len=seq_len, vocab_size=vocab_size, num_classes=num_classes
+        config,
+        samples=get_family(family).samples,
+        seed=0,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        num_classes=num_classes,
     )
 
 
@@ -380,7 +386,7 @@ def test_stride_applies_to_training_only_and_defaults_to_seq_len(tmp_path: Path)
     assert blocks(overlapping.train)[::10] == blocks(consecutive.train)
     hardware = detect_hardware(local_world_size=1)
     config = load_config(ROOT / "configs" / "tiny_gpt.json", ["data.seq_len=32"], world_size=1, hardware=hardware)
-    assert config.data["stride"] == 32
+    assert config.data.stride == 32
 
 
 def test_txt_holds_out_the_last_fraction_of_tokens_for_validation(tmp_path):
@@ -671,7 +677,7 @@ def test_build_datasets_image_and_config_errors(cifar_dir):
         build(data_config(type="image"), "resnet")
     with pytest.raises(ValueError, match="must be one directory"):
         build(data_config(type="image", path=[str(cifar_dir)] * 2), "resnet")
-    with pytest.raises(ValueError, match="does not suit model family 'resnet'"):
+    with pytest.raises(ValueError, match="'text' gives tokens, not the images"):
         build(data_config(type="text"), "resnet")
     with pytest.raises(ValueError, match="needs seq_len"):
         build(data_config(type="text"), "gpt")

@@ -15,11 +15,11 @@ from PIL import Image
 
 from engine.config import ConfigError, load_config
 from engine.config.load import check_document
-from engine.distributed import destroy_process_group, init_process_group
-from engine.hardware import Hardware
-from engine.metrics import MetricsLogger, read_records
-from engine.plots import write_plots
-from engine.sinks import DEEPSPEED_ENGINE_EVENTS, MonitorSink, record_events
+from engine.launch.hardware import Hardware
+from engine.observability.metrics import MetricsLogger, read_records
+from engine.observability.plots import write_plots
+from engine.observability.sinks import DEEPSPEED_ENGINE_EVENTS, MonitorSink, record_events
+from engine.parallel.process_group import destroy_process_group, init_process_group
 from tests.support.launch import ROOT, free_port
 from tests.support.monitor import JOB_NAME, csv_rows, csv_values, tensorboard_events, tensorboard_values
 
@@ -138,7 +138,7 @@ def test_record_events_are_named_in_deepspeeds_style_at_samples_seen():
 
 @pytest.fixture(scope="module")
 def world_of_one():
-    """deepspeed.comm up in this process, as engine.run starts it on every backend: DeepSpeed's
+    """deepspeed.comm up in this process, as engine.session starts it on every backend: DeepSpeed's
     MonitorMaster asks it for the rank."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():

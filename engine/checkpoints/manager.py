@@ -1,0 +1,134 @@
+"""One run's checkpoints: where it resumes from and how it saves.
+
+The manager owns everything a resume restores besides what the backend's library loads itself:
+the conversion to a universal checkpoint when the layout changed, each rank's RNG state and
+persistent buffers, and a streamed corpus's position. Which resumes must convert is decided before
+any process group (`engine.checkpoints.reshape.needs_conversion`, called by engine/prepare.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.checkpoints.from_torch import universal_from_torch, universal_from_zero0
+from engine.checkpoints.reshape import SavedLayout
+from engine.checkpoints.store import (
+    CheckpointRef,
+    checkpoint_root,
+    latest_checkpoint,
+    load_data_position,
+    load_rank_buffers,
+    load_rng_state,
+    save_checkpoint,
+    step_tag,
+)
+from engine.checkpoints.universal import UNIVERSAL_FOLDER, convert_to_universal
+from engine.parallel.process_group import barrier, env_rank, is_main_process
+
+
+class Checkpointable(Protocol):
+    """What the manager needs of a backend (engine/backends/base.py declares each)."""
+
+    def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None: ...
+
+    def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]: ...
+
+    def load_universal(self, tag_dir: Path) -> dict[str, Any]: ...
+
+    def local_buffers(self) -> dict[str, torch.Tensor]: ...
+
+
+class Positioned(Protocol):
+    """A reader whose place is saved with each checkpoint (data.streaming.StreamedWindows)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CheckpointManager:
+    """Resumes a run from `source` (None: a fresh start) and saves it under `output_dir`.
+
+    `layout` is this run's saved-layout record (SavedLayout), written with every checkpoint; `saved_layout` the
+    one `source` was saved with; `reshape` whether the layouts differ so that the resume goes through
+    DeepSpeed's universal form. `before_publish(step)` runs on every rank once its files of a save
+    are written (a fault-injection point)."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        source: CheckpointRef | None,
+        layout: SavedLayout,
+        saved_layout: SavedLayout | None,
+        reshape: bool,
+        world_size: int,
+        keep_last: int,
+        before_publish: Callable[[int], None] = lambda step: None,
+    ):
+        self.root = checkpoint_root(output_dir)
+        self.source, self.layout, self.saved_layout, self.reshape = source, layout, saved_layout, reshape
+        self.world_size, self.keep_last, self.before_publish = world_size, keep_last, before_publish
+        self._backend: Checkpointable | None = None
+        self._stream: Positioned | None = None
+
+    def convert_source(self, train_batch_size: int) -> None:
+        """Collective, before the backend exists (DeepSpeed decides at initialisation how its
+        optimizer loads): rank 0 converts a checkpoint saved on another layout to its universal
+        form, kept beside it for later resumes; the others wait."""
+        if not self.reshape:
+            return
+        tag_dir = self.source.path
+        if is_main_process() and not (tag_dir / UNIVERSAL_FOLDER).is_dir():
+            print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
+            if self.saved_layout.backend == "accelerate":
+                universal_from_torch(tag_dir, train_batch_size)
+            elif self.saved_layout.zero_stage == 0:
+                universal_from_zero0(tag_dir)
+            else:
+                convert_to_universal(tag_dir)
+        barrier()
+
+    def resume(self, backend: Checkpointable, stream: Positioned | None = None) -> int:
+        """Collective: restore `backend` (and `stream`'s position) from the source; the step to
+        start from, 0 for a fresh start. Later saves write this backend and stream."""
+        self._backend, self._stream = backend, stream
+        if self.source is None:
+            return 0
+        tag_dir = self.source.path
+        saved = backend.load_universal(tag_dir) if self.reshape else backend.load(self.source.root, self.source.tag)
+        # Generators and each rank's buffers continue where they were only on the layout that saved them.
+        if saved.get("world_size") == self.world_size:
+            load_rng_state(tag_dir, env_rank())
+            load_rank_buffers(tag_dir, env_rank(), backend.local_buffers())
+        if stream is not None:
+            stream.load_state_dict(load_data_position(tag_dir, env_rank()))
+        return int(saved["step"])
+
+    def save(self, step: int) -> str:
+        """Collective: save and publish the checkpoint of `step`; its tag."""
+        backend = self._backend
+        return save_checkpoint(
+            lambda root, tag: backend.save(root, tag, {"step": step, "world_size": self.world_size}),
+            self.root,
+            step,
+            keep_last=self.keep_last,
+            layout=self.layout,
+            buffers=backend.local_buffers(),
+            before_publish=self.before_publish,
+            data_position=self._stream.state_dict() if self._stream is not None else None,
+        )
+
+    def keep_resumed(self, step: int) -> None:
+        """Collective, when a resumed run trained nothing: the export reads this run's own checkpoint,
+        so a source from elsewhere or from another layout is saved here first, in this layout (a
+        conversion without training)."""
+        if self.source is not None and (self.source.path != self.root / step_tag(step) or self.reshape):
+            self.save(step)
+
+    def latest(self) -> Path | None:
+        """The newest published checkpoint of this run, or None."""
+        return latest_checkpoint(self.root)

@@ -1,0 +1,180 @@
+"""The trainer: builds what a run trains with from the prepared inputs (the backend, the loaders,
+the metrics and the checkpoint manager), runs the step loop (engine/loop.py), then exports. The
+process group is already up (engine/session.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from data import make_eval_loader, make_train_loader
+from data.streaming import StreamedCorpus, StreamedWindows, stream_micro_batches
+from engine.backends.base import Backend, StepHooks
+from engine.backends.factory import backend_settings, build_backend
+from engine.checkpoints.export import export_model, sample_text
+from engine.checkpoints.manager import CheckpointManager
+from engine.checkpoints.store import step_tag
+from engine.failures.nonfinite import NonfinitePolicy
+from engine.loop import LoopSettings, train
+from engine.observability.metrics import MetricsLogger
+from engine.observability.plots import write_plots
+from engine.observability.sinks import build_sinks
+from engine.parallel.layout import parallel_layout
+from engine.parallel.process_group import barrier, is_main_process
+from engine.prepare import Prepared
+from models import get_family
+from models.common import seed_everything
+
+Batch = Mapping[str, torch.Tensor]
+
+
+class Trainer:
+    """One rank's training, from a built backend to the export."""
+
+    def __init__(self, prepared: Prepared, device: torch.device, hooks: StepHooks):
+        self.prepared, self.config, self.data = prepared, prepared.config, prepared.data
+        self.device, self.hooks = device, hooks
+        self.family = get_family(self.config.model.family)
+        self.output_dir = Path(self.config.trainer.output_dir)
+        self.checkpoints = CheckpointManager(
+            self.output_dir,
+            prepared.resume,
+            prepared.layout,
+            prepared.saved_layout,
+            prepared.reshape,
+            self.config.world_size,
+            self.config.trainer.keep_checkpoints,
+            before_publish=hooks.before_publish,
+        )
+
+    def run(self) -> None:
+        """Build, resume, train, save and export."""
+        config, trainer = self.config, self.config.trainer
+        if is_main_process():
+            (self.output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
+        seed_everything(trainer.seed)
+        self.checkpoints.convert_source(config.document["train_batch_size"])
+        settings = backend_settings(config, self.family, self.device, self.hooks, self.prepared.reshape)
+        backend, dp_rank = build_backend(config, settings)
+        stream = (
+            self.data.train.windows(dp_rank, config.dp_size) if isinstance(self.data.train, StreamedCorpus) else None
+        )
+        start_step = self.checkpoints.resume(backend, stream)
+        loop_settings = self.loop_settings()
+        logger = MetricsLogger(
+            self.output_dir,
+            enabled=is_main_process(),
+            total_steps=loop_settings.max_steps,
+            start_step=start_step,
+            progress_bar=trainer.progress_bar,
+            sinks=build_sinks(config.deepspeed_config(), backend.deepspeed_monitor()),
+        )
+        self.announce(backend, logger, start_step)
+        last_saved = train(
+            backend,
+            self.family,
+            self.train_batches(dp_rank, start_step, stream),
+            lambda: self.eval_batches(dp_rank),
+            loop_settings,
+            logger,
+            self.checkpoints.save,
+            start_step,
+            self.hooks,
+        )
+        if last_saved == start_step:
+            self.checkpoints.keep_resumed(start_step)
+        backend.finish(self.output_dir, logger.write)
+        if trainer.export:
+            self.export(backend, step_tag(last_saved), logger)
+        logger.close()
+        if trainer.plots and is_main_process():
+            paths = write_plots(self.output_dir)
+            print(f"plots: {len(paths)} PNGs in {paths[0].parent if paths else self.output_dir}", flush=True)
+
+    def loop_settings(self) -> LoopSettings:
+        config, trainer = self.config, self.config.trainer
+        family, data = self.family, config.data.as_mapping()
+        return LoopSettings(
+            max_steps=trainer.max_steps,
+            log_interval=trainer.log_interval,
+            eval_interval=trainer.eval_interval,
+            save_interval=trainer.save_interval,
+            items_per_step=config.document["train_batch_size"] * family.items_per_sample(data),
+            throughput_key=family.throughput_key,
+            world_size=config.world_size,
+            nonfinite=NonfinitePolicy(trainer.nonfinite, trainer.max_skipped_steps, self.checkpoints.latest),
+            flops_per_item=family.flops_per_item(family.architecture(config.model.fields), data),
+            peak_flops=None if trainer.peak_tflops is None else trainer.peak_tflops * 1e12,
+        )
+
+    def train_batches(self, dp_rank: int, start_step: int, stream: StreamedWindows | None) -> Iterator[Batch]:
+        """This rank's micro-batches from `start_step` on: the sampler's arithmetic, or a stream's position."""
+        config = self.config
+        micro_batch = config.document["train_micro_batch_size_per_gpu"]
+        if stream is not None:
+            return stream_micro_batches(stream, micro_batch)
+        return make_train_loader(
+            self.data.train,
+            micro_batch_size=micro_batch,
+            grad_accum=config.document["gradient_accumulation_steps"],
+            dp_rank=dp_rank,
+            dp_size=config.dp_size,
+            seed=config.trainer.seed,
+            start_step=start_step,
+            num_workers=config.data.num_workers,
+            pin_memory=config.data.pin_memory,
+        )
+
+    def eval_batches(self, dp_rank: int) -> Iterable[Batch]:
+        config = self.config
+        return make_eval_loader(
+            self.data.validation,
+            micro_batch_size=config.document["train_micro_batch_size_per_gpu"],
+            dp_rank=dp_rank,
+            dp_size=config.dp_size,
+            max_batches=config.trainer.eval_batches,
+            num_workers=config.data.num_workers,
+            pin_memory=config.data.pin_memory,
+        )
+
+    def announce(self, backend: Backend, logger: MetricsLogger, start_step: int) -> None:
+        """The start-up lines: what the backend built, the rank layout, the run, and any reshape."""
+        config = self.config
+        description = backend.describe()
+        if description is not None:
+            logger.write(description)
+        layout = parallel_layout(config)
+        if layout.model_parallel:
+            logger.write(layout.describe(backend.stage_layers()))
+        logger.write(
+            f"training {config.model.family} {config.model.preset} on {config.world_size} rank(s), "
+            f"{config.trainer.backend} backend, ZeRO stage {config.zero_stage}, {config.precision_label}, "
+            f"global batch {config.document['train_batch_size']}"
+            + (", compiled (torch.compile)" if backend.compiled else "")
+            + (f", resuming at step {start_step}" if start_step else "")
+        )
+        if self.prepared.saved_layout is not None:
+            saved, now = self.prepared.saved_layout.describe(), self.prepared.layout.describe()
+            if self.prepared.reshape:
+                logger.write(f"resumed through a universal checkpoint: saved on {saved}, now {now}")
+            elif saved != now:
+                logger.write(f"resumed on another layout: saved on {saved}, now {now}")
+
+    def export(self, backend: Backend, tag: str, logger: MetricsLogger) -> None:
+        """Collective: rank 0 consolidates checkpoint `tag` into the export (and samples text from
+        it); the others wait."""
+        barrier()
+        state = backend.consolidated_state_dict(self.checkpoints.root, tag)
+        if is_main_process():
+            export_dir = self.output_dir / "export"
+            tokenizer = self.data.tokenizer
+            export_model(self.family, state, self.config.model.fields, export_dir, tokenizer)
+            logger.write(f"exported consolidated fp32 weights to {export_dir}")
+            tokens = self.config.trainer.sample_tokens
+            if tokens and tokenizer is not None:
+                text = sample_text(self.family, export_dir, tokenizer, tokens, self.config.trainer.seed)
+                logger.write("sample:\n" + text)
+        barrier()
