@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -85,7 +84,7 @@ class Pairing(StepHooks):
             "baseline_eval_loss": evaluate(self._baseline, self.device),
             "machine": machine_facts(torch.get_num_threads()),
         }
-        (Path(self.config.trainer.output_dir) / PAIRED).write_text(json.dumps(result) + "\n")
+        (self.config.trainer.output_path / PAIRED).write_text(json.dumps(result) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
-"""`python -m engine COMMAND ...`: validate, train, plan, explain, plot, schema, docs and the launch
-helpers (`python -m engine --help` lists them)."""
+"""`python -m engine COMMAND ...`: validate, train, plan, explain, prepare-data, plot, schema, docs
+and the launch helpers (`engine.cli.COMMANDS`; `python -m engine --help` lists them)."""
 
 import sys
 

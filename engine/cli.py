@@ -36,6 +36,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def train_main(argv: list[str] | None = None) -> int:
+    """What launchers start (`engine/main.py`): the arguments DeepSpeed scripts pass, then one rank's run."""
     parser = argparse.ArgumentParser(prog="engine/main.py", description="Train from one JSON config.")
     parser.add_argument("--deepspeed_config", required=True, metavar="CONFIG", help="the engine config (JSON)")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; LOCAL_RANK wins")
@@ -207,6 +208,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m engine COMMAND`: the commands' arguments, then `COMMANDS`; the exit code."""
     parser = argparse.ArgumentParser(prog="python -m engine")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -25,6 +25,8 @@ from models import ModelFamily
 
 @dataclass(frozen=True)
 class LoopSettings:
+    """What the step loop needs, settled by the trainer: the loop reads no config."""
+
     max_steps: int
     log_interval: int
     eval_interval: int

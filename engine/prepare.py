@@ -31,6 +31,7 @@ class RunError(Exception):
 
 
 def load_data(config: EngineConfig) -> DataBundle:
+    """The config's datasets, checked to fill one global batch; a data problem is one RunError."""
     try:
         bundle = build_datasets(
             config.data.as_mapping(),
@@ -146,7 +147,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     torch.set_num_threads(config.trainer.threads_per_rank)
     bundle = load_data(config)
     try:
-        resume = resume_target(config.trainer.resume, Path(config.trainer.output_dir))
+        resume = resume_target(config.trainer.resume, config.trainer.output_path)
         check_steps_left(resume, config.trainer.max_steps)
         saved = read_layout(resume.path) if resume else None
         if resume is not None:

@@ -5,7 +5,6 @@ failure once the group is up ends the job through engine/failures/ending.py, nev
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from engine.backends.base import StepHooks
 from engine.config import ConfigError
@@ -36,7 +35,7 @@ def run(config_path: str, overrides: list[str], hooks: StepHooks | None = None) 
         return 2
 
     trainer = prepared.config.trainer
-    output = capture_rank_output(Path(trainer.output_dir) / "logs", env_rank())
+    output = capture_rank_output(trainer.output_path / "logs", env_rank())
     device = init_process_group(prepared.hardware.device_type, timeout_s=collective_timeout(trainer.comm_timeout_s))
     watchdog = None
     if env_world_size() > 1:

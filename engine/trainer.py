@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 
 import torch
 
@@ -38,7 +37,7 @@ class Trainer:
         self.prepared, self.config, self.data = prepared, prepared.config, prepared.data
         self.device, self.hooks = device, hooks
         self.family = get_family(self.config.model.family)
-        self.output_dir = Path(self.config.trainer.output_dir)
+        self.output_dir = self.config.trainer.output_path
         self.checkpoints = CheckpointManager(
             self.output_dir,
             prepared.resume,
@@ -58,7 +57,7 @@ class Trainer:
         seed_everything(trainer.seed)
         self.checkpoints.convert_source(config.document["train_batch_size"])
         settings = backend_settings(config, self.family, self.device, self.hooks, self.prepared.reshape)
-        backend, dp_rank = build_backend(config, settings)
+        backend, dp_rank = build_backend(settings)
         stream = (
             self.data.train.windows(dp_rank, config.dp_size) if isinstance(self.data.train, StreamedCorpus) else None
         )
@@ -95,6 +94,7 @@ class Trainer:
             print(f"plots: {len(paths)} PNGs in {paths[0].parent if paths else self.output_dir}", flush=True)
 
     def loop_settings(self) -> LoopSettings:
+        """What the step loop needs of the config and the family, and nothing else."""
         config, trainer = self.config, self.config.trainer
         family, data = self.family, config.data.as_mapping()
         return LoopSettings(
@@ -129,6 +129,7 @@ class Trainer:
         )
 
     def eval_batches(self, dp_rank: int) -> Iterable[Batch]:
+        """This rank's validation batches, afresh for each evaluation."""
         config = self.config
         return make_eval_loader(
             self.data.validation,

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.costs import ActivationEstimate, PlanShape
+from models.tensor_parallel import tied_logits
 
 AUTO = "auto"
 
@@ -77,3 +86,321 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# -- Causal language models (the GPT and Llama families) --------------------------------------
+# transformers is imported inside the functions: config validation reads the family modules
+# without building a model and would otherwise spend most of its time importing it.
+
+EVAL_SUMS = ("loss_sum", "tokens")
+# Both train on token samples, `data.seq_len` of them each, with the vocabulary from the tokenizer.
+TOKEN_DATA_TYPES = ("text", "tokens", "synthetic")
+# math.exp overflows above this; a diverged run should report an infinite perplexity, not crash.
+_LARGEST_EXP_ARGUMENT = math.log(sys.float_info.max)
+
+
+def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:
+    """The model-section keys both families have, as JSON Schema: `vocabulary` ends the vocabulary
+    size's description with what the family's presets assume, `dropout` says where it applies."""
+    return {
+        "vocab_size": {
+            "anyOf": [{"type": "integer", "minimum": 1}, {"const": AUTO}],
+            "description": 'Vocabulary size; "auto" (the default, taking over from the preset): the tokenizer\'s '
+            "vocabulary size, rounded up to a multiple of parallel.tensor_parallel_size so the embedding splits "
+            f"evenly. {vocabulary}",
+        },
+        "dropout": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "description": dropout, "default": 0.0},
+        "attn_implementation": {
+            "enum": ["sdpa", "eager"],
+            "description": "Attention kernel used by transformers.",
+            "default": "sdpa",
+        },
+    }
+
+
+def decoder_architecture(
+    family: str, presets: Mapping[str, Mapping[str, Any]], section: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The preset with the section's overrides, plus dropout and attention kernel.
+
+    `vocab_size` may stay "auto": only the engine knows the tokenizer, and it settles the value
+    before calling `build`.
+    """
+    return {
+        **merge_preset(family, presets, section),
+        "dropout": setting(section, "dropout", 0.0),
+        "attn_implementation": setting(section, "attn_implementation", "sdpa"),
+    }
+
+
+def settled_vocabulary(arch: Mapping[str, Any]) -> int:
+    """The vocabulary size a model is built with, refused while still "auto"."""
+    vocab_size = arch["vocab_size"]
+    if not isinstance(vocab_size, int):
+        raise ValueError(
+            f'model.vocab_size is {vocab_size!r}; the engine must replace "auto" with the tokenizer\'s '
+            "vocabulary size before building the model"
+        )
+    return vocab_size
+
+
+def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token loss over every position: the labels arrive already one token on."""
+    # No KV cache: training never decodes, and the cache would cost memory on every forward.
+    return pipeline_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
+
+
+def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
+    return pipeline_eval_sums(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
+
+
+def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
+    loss = sums["loss_sum"] / sums["tokens"]
+    return {"loss": loss, "perplexity": math.exp(loss) if loss <= _LARGEST_EXP_ARGUMENT else math.inf}
+
+
+def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first stage's input, last stage's labels)."""
+    return batch["input_ids"], batch["labels"]
+
+
+def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' own causal-LM loss (fp32 logits), given labels the data already shifted: a
+    sample of seq_len inputs carries seq_len targets, where shifting inside would score seq_len - 1."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    # It views the labels flat, as its own shift leaves them contiguous.
+    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=labels.contiguous())
+
+
+def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Summed in fp32 logits over the tokens that count (labels other than IGNORE_INDEX)."""
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    return {"loss_sum": loss.detach().double(), "tokens": (flat != IGNORE_INDEX).sum().double()}
+
+
+def positions_and_mask(config: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a decoder layer running alone as a pipeline layer needs besides its hidden states: the
+    position ids of a whole sequence and the causal mask the whole model would build for it (None
+    under SDPA, which masks causally itself)."""
+    from transformers.masking_utils import create_causal_mask
+
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    mask = create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    return positions, mask
+
+
+class TiedEmbedding(nn.Module):
+    """A tied token embedding as a pipeline layer: looked up on the first stage, the output
+    projection on the last (`tied_embedding_layers`). It holds the model's embedding module under
+    the model's own name for it, so the tied weight is `wte.weight` or `embed_tokens.weight`."""
+
+    def __init__(self, **embedding: nn.Module):
+        super().__init__()
+        ((self.key, module),) = embedding.items()
+        self.add_module(self.key, module)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.get_submodule(self.key)(input_ids)
+
+
+def _tied_head(embedding: TiedEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    return tied_logits(embedding.get_submodule(embedding.key), hidden)
+
+
+def tied_embedding_layers(name: str, embedding: nn.Module) -> tuple[Any, Any]:
+    """The first and the last pipeline layer of a model whose head is its token embedding `name`:
+    one tied module, so DeepSpeed keeps the first and last stage's copies equal."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    weight, module = f"{name}.weight", {name: embedding}
+    return (
+        TiedLayerSpec("embedding", TiedEmbedding, tied_weight_attr=weight, **module),
+        TiedLayerSpec("embedding", TiedEmbedding, forward_fn=_tied_head, tied_weight_attr=weight, **module),
+    )
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each transformer block in the backward pass instead of keeping its activations.
+
+    Non-reentrant checkpointing works with inputs that do not require grad (token ids) and with
+    DeepSpeed's ZeRO hooks; transformers wraps the blocks without renaming any parameter.
+    """
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """A decoder family as transformers checkpoints hold it, and the family functions that follow
+    from that: `build`, `check_init_from`, `export` and `load_export`.
+
+    `model_class` names the transformers class (imported only when a model is built), `kind` the
+    architecture in messages, `config` makes the transformers config of a model section. A
+    `model.init_from` checkpoint must match that config in `fields` (model-section keys) and `fixed`
+    (what the family always builds the same way). A tied embedding is stored once, under
+    `embedding`, never also under `head`, as HF's own checkpoints hold it.
+    """
+
+    model_class: str
+    kind: str
+    config: Callable[[Mapping[str, Any]], Any]
+    fields: tuple[str, ...]
+    fixed: tuple[str, ...]
+    embedding: str
+    head: str = "lm_head.weight"
+
+    def transformers_class(self) -> type:
+        import transformers
+
+        return getattr(transformers, self.model_class)
+
+    def build(self, section: Mapping[str, Any]) -> torch.nn.Module:
+        """A training-mode model: fresh weights (`initialised_model`; the caller seeds the RNG, so
+        every rank draws the same), or those of `model.init_from`, refused up front when it is not a
+        checkpoint of this shape (transformers would load it anyway, leave what is missing freshly
+        initialised and only log that it did)."""
+        config, init_from = self.config(section), section.get("init_from")
+        if init_from is None:
+            model = initialised_model(self.transformers_class(), config)
+        else:
+            self._check(Path(init_from), config)
+            model = load_pretrained(self.transformers_class(), Path(init_from), config)
+        if section.get("activation_checkpointing", False):
+            apply_activation_checkpointing(model)
+        return model
+
+    def check_init_from(self, section: Mapping[str, Any]) -> None:
+        """Refuse a `model.init_from` that is no checkpoint of the configured shape. Reads its config
+        only, no weights, so it runs before any process group starts."""
+        if section.get("init_from") is not None:
+            self._check(Path(section["init_from"]), self.config(section))
+
+    def _check(self, path: Path, config: Any) -> None:
+        from transformers import AutoConfig
+
+        try:
+            saved = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"model.init_from {path} is not a transformers checkpoint ({reason})") from None
+        if not isinstance(saved, type(config)):
+            raise ValueError(f"model.init_from {path} holds a {saved.model_type!r} checkpoint, not a {self.kind} one")
+
+        def differences(names: tuple[str, ...]) -> str:
+            return ", ".join(
+                f"{name} {getattr(saved, name, None)} (configured: {getattr(config, name)})"
+                for name in names
+                if getattr(saved, name, None) != getattr(config, name)
+            )
+
+        configurable, fixed = differences(self.fields), differences(self.fixed)
+        problems = (
+            [f"{configurable}; set these fields in the model section to match the checkpoint"] if configurable else []
+        )
+        problems += [f"{fixed}, which this family does not configure"] if fixed else []
+        if problems:
+            raise ValueError(f"model.init_from {path} has a different architecture: {'; '.join(problems)}")
+
+    def export(self, state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
+        """An HF checkpoint directory (config.json, model.safetensors) that plain `from_pretrained`
+        of the family's class loads, holding exactly the weights in `state_dict`."""
+        config = self.config(section)
+        # Only the config and the parameter names of this model are used; the weights are `state_dict`.
+        with torch.device("meta"):
+            model = self.transformers_class()(config)
+        expected = model.state_dict()
+        weights = dict(state_dict)
+        if config.tie_word_embeddings:
+            weights = _one_embedding_key(weights, self.embedding, self.head)
+            expected = {key: value for key, value in expected.items() if key != self.head}
+        check_state_dict(expected, weights)
+        model.save_pretrained(out_dir, state_dict=weights)
+
+    def load_export(self, path: Path) -> torch.nn.Module:
+        """The exported model, in eval mode as `from_pretrained` returns it."""
+        return self.transformers_class().from_pretrained(path, local_files_only=True)
+
+
+def initialised_model(model_class: type, config: Any) -> torch.nn.Module:
+    """Fresh weights, drawn only after construction, module by module in `initialize_weights`' order.
+
+    That is the order transformers draws them in when it builds the model partitioned under ZeRO-3
+    (`deepspeed.zero.Init`, then `initialize_weights_zero3`), while a plain constructor would first
+    spend the RNG on torch's default initialisation: drawn this way, a ZeRO-3 run starts from the same
+    weights as every other layout.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return AutoModelForCausalLM.from_config(config).train()
+    with no_init_weights():
+        model = model_class(config)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def load_pretrained(model_class: type, path: Path, config: Any) -> torch.nn.Module:
+    """Weights from a local HF checkpoint (already checked against `config`), built with `config`'s
+    dropout and attention kernel. transformers would load a checkpoint lacking weights anyway, leave
+    them freshly initialised and only log that it did; this refuses it."""
+    model, loading_info = model_class.from_pretrained(
+        path, config=config, dtype=torch.float32, local_files_only=True, output_loading_info=True
+    )
+    absent = sorted(loading_info["missing_keys"]) + sorted(map(str, loading_info["mismatched_keys"]))
+    if absent:
+        raise ValueError(f"model.init_from {path} lacks weights the model needs: {', '.join(absent[:5])}")
+    return model.train()
+
+
+def _one_embedding_key(weights: dict[str, torch.Tensor], embedding: str, head: str) -> dict[str, torch.Tensor]:
+    """Consolidated checkpoints name a tied tensor under either key or both: keep `embedding` only."""
+    tied = weights.pop(head, None)
+    if tied is None:
+        return weights
+    kept = weights.setdefault(embedding, tied)
+    if kept is not tied and not torch.equal(kept, tied):
+        raise ValueError(f"{embedding} and {head} differ, but the model ties them into one tensor")
+    return weights
+
+
+def sequence_issues(data: Mapping[str, Any], context: int, context_field: str, vocab: Any) -> Iterator[tuple[str, str]]:
+    """A sequence longer than the model's context (`context_field`), a vocabulary the byte tokenizer overflows."""
+    seq_len = data.get("seq_len", AUTO)
+    if seq_len != AUTO and seq_len > context:
+        yield (
+            "data.seq_len",
+            f"{seq_len} is longer than model.{context_field} {context}; shorten it or raise {context_field}",
+        )
+    if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
+        yield "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
+
+
+def decoder_activations(
+    shape: PlanShape, hidden: int, vocab: int, layer_factor: Callable[[int], float]
+) -> ActivationEstimate:
+    """The planner's activation estimate for a decoder of width `hidden`: one transformer layer
+    keeps tokens * hidden * `layer_factor(tensor)` bytes at 2 bytes per element and tensor-parallel
+    degree `tensor` (Korthikanti et al. 2022, arXiv:2205.05198, no sequence parallelism), scaled to
+    the training dtype; with activation checkpointing only each layer's input (one hidden state per
+    token) plus one layer recomputed at a time. The last stage adds the fp32 logits and their
+    gradient. Every stage boundary and tensor-parallel all-reduce moves one hidden state of the
+    micro-batch's tokens."""
+    tokens = shape.data["seq_len"] * shape.micro_batch
+    full_layer = int(tokens * hidden * layer_factor(shape.tensor) * shape.element / 2)
+
+    def stage_bytes(stage: int, layers: int, checkpointing: bool) -> int:
+        if checkpointing:
+            kept = layers * tokens * hidden * shape.element + (full_layer if layers else 0)
+        else:
+            kept = layers * full_layer
+        logits = 2 * 4 * tokens * vocab // shape.tensor if stage == shape.stages - 1 else 0
+        return kept + logits
+
+    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1))

@@ -7,19 +7,16 @@ reads only the presets and plans here and would otherwise spend most of its time
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
+from models import common
+from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
 from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
-from models.tensor_parallel import TensorParallelPlan, tied_logits
+from models.tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -51,61 +48,32 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
         "minimum": 1,
         "description": "Longest sequence the position table covers (overrides the preset).",
     },
-    "vocab_size": {
-        "anyOf": [{"type": "integer", "minimum": 1}, {"const": AUTO}],
-        "description": 'Vocabulary size; "auto" (the default, taking over from the preset): the tokenizer\'s '
-        "vocabulary size, rounded up to a multiple of parallel.tensor_parallel_size so the embedding splits "
-        "evenly. The GPT-2 presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set "
-        "50257 (or 50304, padded as nanoGPT pads it) for a model of the preset's size.",
-    },
-    "dropout": {
-        "type": "number",
-        "minimum": 0,
-        "exclusiveMaximum": 1,
-        "description": "Dropout on embeddings, attention and residuals.",
-        "default": 0.0,
-    },
-    "attn_implementation": {
-        "enum": ["sdpa", "eager"],
-        "description": "Attention kernel used by transformers.",
-        "default": "sdpa",
-    },
+    **common.decoder_schema(
+        "The GPT-2 presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set 50257 (or "
+        "50304, padded as nanoGPT pads it) for a model of the preset's size.",
+        "Dropout on embeddings, attention and residuals.",
+    ),
 }
-# Trained on token samples, `data.seq_len` of them each; the vocabulary comes from the tokenizer.
-DATA_TYPES = ("text", "tokens", "synthetic")
-SAMPLES = "tokens"
-THROUGHPUT_KEY = "tokens_per_s"
-USES_VOCABULARY = True
-SUGGESTS_CHECKPOINTING = True
-
-_EMBEDDING_KEY = "transformer.wte.weight"
-_HEAD_KEY = "lm_head.weight"
-# math.exp overflows above this; a diverged run should report an infinite perplexity, not crash.
-_LARGEST_EXP_ARGUMENT = math.log(sys.float_info.max)
+DATA_TYPES, SAMPLES, THROUGHPUT_KEY = TOKEN_DATA_TYPES, "tokens", "tokens_per_s"
+USES_VOCABULARY = SUGGESTS_CHECKPOINTING = True
 
 
 def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
-    """The preset with the section's overrides, plus dropout and attention kernel.
+    return common.decoder_architecture("gpt", PRESETS, section)
 
-    `vocab_size` may stay "auto": only the engine knows the tokenizer, and it settles the value
-    before calling `build`.
-    """
-    return {
-        **merge_preset("gpt", PRESETS, section),
-        "dropout": setting(section, "dropout", 0.0),
-        "attn_implementation": setting(section, "attn_implementation", "sdpa"),
-    }
+
+def hidden_size(arch: Mapping[str, Any]) -> int:
+    return arch["n_embd"]
+
+
+def context_length(arch: Mapping[str, Any]) -> int:
+    return arch["n_positions"]
 
 
 def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
     from transformers import GPT2Config
 
-    vocab_size = arch["vocab_size"]
-    if not isinstance(vocab_size, int):
-        raise ValueError(
-            f'model.vocab_size is {vocab_size!r}; the engine must replace "auto" with the tokenizer\'s '
-            "vocabulary size before building the model"
-        )
+    vocab_size = common.settled_vocabulary(arch)
     # GPT-2's <|endoftext|> (id 50256) ends generation only in a vocabulary that holds it. In a
     # character or byte vocabulary every id is a real character, which would stop `generate` mid-text
     # wherever it was sampled, so there the exported model names no end token at all.
@@ -131,143 +99,17 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
 BUILDS_PARTITIONED = True
 
 
-def build(section: Mapping[str, Any]) -> GPT2LMHeadModel:
-    """A training-mode model; the caller seeds the RNG, so every rank initialises the same weights."""
-    config = gpt2_config(architecture(section))
-    init_from = section.get("init_from")
-    model = initialised_model(config) if init_from is None else load_pretrained(Path(init_from), config)
-    if section.get("activation_checkpointing", False):
-        apply_activation_checkpointing(model)
-    return model
-
-
-def initialised_model(config: GPT2Config) -> GPT2LMHeadModel:
-    """Fresh weights, drawn only after construction, module by module in `initialize_weights`' order.
-
-    That is the order transformers draws them in when it builds the model partitioned under ZeRO-3
-    (`deepspeed.zero.Init`, then `initialize_weights_zero3`), while a plain constructor would first
-    spend the RNG on torch's default initialisation: drawn this way, a ZeRO-3 run starts from the same
-    weights as every other layout.
-    """
-    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
-    from transformers.initialization import no_init_weights
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        return AutoModelForCausalLM.from_config(config).train()
-    with no_init_weights():
-        model = GPT2LMHeadModel(config)
-    model.initialize_weights()
-    model.tie_weights()
-    return model
-
-
-def check_init_from(section: Mapping[str, Any]) -> None:
-    """Refuse a `model.init_from` that is no GPT-2 checkpoint of the configured shape. Read alone,
-    before any process group starts: the model itself is built after."""
-    if section.get("init_from") is not None:
-        _check_pretrained(Path(section["init_from"]), gpt2_config(architecture(section)))
-
-
-def _check_pretrained(path: Path, config: GPT2Config) -> None:
-    from transformers import AutoConfig, GPT2Config
-
-    try:
-        saved = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"model.init_from {path} is not a transformers checkpoint ({reason})") from None
-    if not isinstance(saved, GPT2Config):
-        raise ValueError(f"model.init_from {path} holds a {saved.model_type!r} checkpoint, not a GPT-2 one")
-    differences = [
-        f"{field} {getattr(saved, field)} (configured: {getattr(config, field)})"
-        for field in ARCHITECTURE_FIELDS
-        if getattr(saved, field) != getattr(config, field)
-    ]
-    if differences:
-        raise ValueError(
-            f"model.init_from {path} has a different architecture: {', '.join(differences)}; "
-            "set these fields in the model section to match the checkpoint"
-        )
-
-
-def load_pretrained(path: Path, config: GPT2Config) -> GPT2LMHeadModel:
-    """Weights from a local HF checkpoint, with the configured dropout and attention kernel.
-
-    A checkpoint of another shape is refused up front: transformers would load it anyway, leave
-    the missing blocks freshly initialised and only log that it did.
-    """
-    from transformers import GPT2LMHeadModel
-
-    _check_pretrained(path, config)
-    model, loading_info = GPT2LMHeadModel.from_pretrained(
-        path, config=config, dtype=torch.float32, local_files_only=True, output_loading_info=True
-    )
-    absent = sorted(loading_info["missing_keys"]) + sorted(map(str, loading_info["mismatched_keys"]))
-    if absent:
-        raise ValueError(f"model.init_from {path} lacks weights the model needs: {', '.join(absent[:5])}")
-    return model.train()
-
-
-def apply_activation_checkpointing(model: GPT2LMHeadModel) -> None:
-    """Recompute each transformer block in the backward pass instead of keeping its activations.
-
-    Non-reentrant checkpointing works with inputs that do not require grad (token ids) and with
-    DeepSpeed's ZeRO hooks; transformers wraps the blocks without renaming any parameter.
-    """
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-
-
-def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss over every position: the labels arrive already one token on."""
-    # No KV cache: training never decodes, and the cache would cost memory on every forward.
-    return pipeline_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
-
-
-def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
-    return pipeline_eval_sums(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
-
-
-def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
-    loss = sums["loss_sum"] / sums["tokens"]
-    return {"loss": loss, "perplexity": math.exp(loss) if loss <= _LARGEST_EXP_ARGUMENT else math.inf}
-
-
-def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
-    """An HF checkpoint directory that plain `GPT2LMHeadModel.from_pretrained` loads."""
-    from transformers import GPT2LMHeadModel
-
-    config = gpt2_config(architecture(section))
-    # Only the config and the parameter names of this model are used; the weights are `state_dict`.
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(config)
-    weights = _one_embedding_key(state_dict)
-    check_state_dict({key: value for key, value in model.state_dict().items() if key != _HEAD_KEY}, weights)
-    model.save_pretrained(out_dir, state_dict=weights)
-
-
-def load_export(path: Path) -> GPT2LMHeadModel:
-    """The exported model, in eval mode as `from_pretrained` returns it."""
-    from transformers import GPT2LMHeadModel
-
-    return GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
-
-
-def _one_embedding_key(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Store the tied embedding once, under `transformer.wte.weight`.
-
-    Consolidated checkpoints name the tied tensor under either key or both. HF's own GPT-2
-    checkpoints hold only the embedding, which every version of transformers loads and re-ties.
-    """
-    weights = dict(state_dict)
-    head = weights.pop(_HEAD_KEY, None)
-    if head is None:
-        return weights
-    embedding = weights.setdefault(_EMBEDDING_KEY, head)
-    if embedding is not head and not torch.equal(embedding, head):
-        raise ValueError(f"{_EMBEDDING_KEY} and {_HEAD_KEY} differ, but the model ties them into one tensor")
-    return weights
+# Built, loaded from `model.init_from` and exported as HF's GPT-2 checkpoints: the tied embedding
+# stored once, under transformer.wte.weight (every version of transformers loads and re-ties it).
+_WTE = "transformer.wte.weight"
+CHECKPOINT = HFCheckpoint(
+    "GPT2LMHeadModel", "GPT-2", lambda section: gpt2_config(architecture(section)), ARCHITECTURE_FIELDS, (), _WTE
+)
+build, check_init_from = CHECKPOINT.build, CHECKPOINT.check_init_from
+export, load_export = CHECKPOINT.export, CHECKPOINT.load_export
+# Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
+compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
+apply_activation_checkpointing = common.apply_activation_checkpointing
 
 
 # -- Config checks, FLOPs and the planner's estimates ------------------------------------------
@@ -283,15 +125,7 @@ def config_issues(
             "model.n_head",
             f"{arch['n_head']} heads do not divide n_embd {arch['n_embd']}; pick a head count that divides the width",
         )
-    seq_len = data.get("seq_len", AUTO)
-    if seq_len != AUTO and seq_len > arch["n_positions"]:
-        yield (
-            "data.seq_len",
-            f"{seq_len} is longer than model.n_positions {arch['n_positions']}; shorten it or raise n_positions",
-        )
-    vocab = arch["vocab_size"]
-    if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
-        yield "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
+    yield from common.sequence_issues(data, arch["n_positions"], "n_positions", arch["vocab_size"])
 
 
 def items_per_sample(data: Mapping[str, Any]) -> int:
@@ -336,46 +170,17 @@ def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
     return flops_per_token(arch["n_layer"], arch["n_embd"], arch["vocab_size"], data["seq_len"])
 
 
-def activation_bytes(
-    arch: Mapping[str, Any],
-    seq_len: int,
-    micro_batch: int,
-    layers: int,
-    tensor: int,
-    element: int,
-    checkpointing: bool,
-    last_stage: bool,
-) -> int:
-    """Activations one micro-batch leaves for backward on one rank: per transformer layer
-    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2 bytes per element (Korthikanti et al. 2022,
-    arXiv:2205.05198, eq. 2 with tensor parallelism, no sequence parallelism), scaled to the training
-    dtype; with activation checkpointing only each layer's input (s*b*h elements) plus one layer
-    recomputed at a time. The last stage adds the fp32 logits and their gradient."""
-    hidden, heads = arch["n_embd"], arch["n_head"]
-    per_layer_16bit = seq_len * micro_batch * hidden * (10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor))
-    full_layer = int(per_layer_16bit * element / 2)
-    if checkpointing:
-        kept = layers * seq_len * micro_batch * hidden * element + (full_layer if layers else 0)
-    else:
-        kept = layers * full_layer
-    logits = 2 * 4 * seq_len * micro_batch * arch["vocab_size"] // tensor if last_stage else 0
-    return kept + logits
-
-
 def plan_activations(shape: PlanShape) -> ActivationEstimate:
-    """Activations by formula (`activation_bytes`); every stage boundary and tensor-parallel
-    all-reduce moves one hidden state of the micro-batch's tokens."""
-    arch = architecture(shape.section) | {"vocab_size": shape.section.get("vocab_size")}
-    seq_len = shape.data["seq_len"]
+    """Activations by formula: per transformer layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2
+    bytes per element (Korthikanti et al. 2022, eq. 2 with tensor parallelism), as
+    `common.decoder_activations` scales and sums them."""
+    arch = architecture(shape.section)
+    hidden, heads, seq_len = arch["n_embd"], arch["n_head"], shape.data["seq_len"]
 
-    def stage_bytes(stage: int, blocks: int, checkpointing: bool) -> int:
-        last = stage == shape.stages - 1
-        return activation_bytes(
-            arch, seq_len, shape.micro_batch, blocks, shape.tensor, shape.element, checkpointing, last
-        )
+    def layer_factor(tensor: int) -> float:
+        return 10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor)
 
-    tokens, hidden = shape.micro_batch * seq_len, arch["n_embd"]
-    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1))
+    return common.decoder_activations(shape, hidden, shape.section.get("vocab_size"), layer_factor)
 
 
 # -- Parallel forms ---------------------------------------------------------------------------
@@ -385,9 +190,10 @@ TENSOR_PARALLEL_PLAN = TensorParallelPlan(
     column={"transformer.h.*.attn.c_attn": 3, "transformer.h.*.mlp.c_fc": 1},
     row=("transformer.h.*.attn.c_proj", "transformer.h.*.mlp.c_proj"),
     vocab_embedding="transformer.wte",
-    tied_head="lm_head",
+    head="lm_head",
     # GPT2Attention splits c_attn's output by split_size and counts num_heads: per rank, a share.
     per_rank_attributes={"transformer.h.*.attn": ("num_heads", "split_size", "embed_dim")},
+    divisible={"n_head": "heads"},
 )
 
 
@@ -397,26 +203,10 @@ def shard_units(model: GPT2LMHeadModel) -> list[nn.Module]:
 
 
 PIPELINE_BLOCK_TYPE = "GPT2Block"  # matched by search: the layer class is GPT2BlockPipe
-_TIED_EMBEDDING = "embedding"
 
 
 def pipeline_blocks(arch: Mapping[str, Any]) -> int:
     return arch["n_layer"]
-
-
-class _TokenEmbedding(nn.Module):
-    """The tied token embedding: looked up on the first stage, the output projection on the last."""
-
-    def __init__(self, wte: nn.Module):
-        super().__init__()
-        self.wte = wte
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(input_ids)
-
-
-def _tied_head(embedding: _TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
-    return tied_logits(embedding.wte, hidden)
 
 
 class _PositionEmbedding(nn.Module):
@@ -440,12 +230,7 @@ class GPT2BlockPipe(nn.Module):
         self.block, self.config = block, config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=positions
-        )
+        _, mask = common.positions_and_mask(self.config, hidden)
         return self.block(hidden, None, mask)
 
 
@@ -453,39 +238,17 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
     """GPT-2 as a sequence of pipeline layers made of the model's own modules: token embedding
     (tied to the head, so DeepSpeed keeps the two copies equal across stages), positions, the
     blocks, the final norm and the head."""
-    from deepspeed.pipe import TiedLayerSpec
-
     transformer = model.transformer
+    embedding, head = common.tied_embedding_layers("wte", transformer.wte)
     return [
-        TiedLayerSpec(_TIED_EMBEDDING, _TokenEmbedding, transformer.wte, tied_weight_attr="wte.weight"),
+        embedding,
         _PositionEmbedding(transformer.wpe, transformer.drop),
         *(GPT2BlockPipe(block, model.config) for block in transformer.h),
         transformer.ln_f,
-        TiedLayerSpec(
-            _TIED_EMBEDDING, _TokenEmbedding, transformer.wte, forward_fn=_tied_head, tied_weight_attr="wte.weight"
-        ),
+        head,
     ]
 
 
-def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first stage's input, last stage's labels)."""
-    return batch["input_ids"], batch["labels"]
-
-
-def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' own causal-LM loss (fp32 logits), given labels the data already shifted: a
-    sample of seq_len inputs carries seq_len targets, where shifting inside would score seq_len - 1."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    # It views the labels flat, as its own shift leaves them contiguous.
-    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=labels.contiguous())
-
-
-EVAL_SUMS = ("loss_sum", "tokens")
-
-
-def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Summed in fp32 logits over the tokens that count (labels other than IGNORE_INDEX)."""
-    flat = labels.reshape(-1)
-    loss = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
-    return {"loss_sum": loss.detach().double(), "tokens": (flat != IGNORE_INDEX).sum().double()}
+# A stage's batch, loss and evaluation sums: the causal-LM ones (models/common.py).
+pipeline_batch, pipeline_loss = common.pipeline_batch, common.pipeline_loss
+pipeline_eval_sums, EVAL_SUMS = common.pipeline_eval_sums, common.EVAL_SUMS

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from models import gpt, resnet
+from models import gpt, llama, resnet
 from models.costs import ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan
 
@@ -64,6 +64,9 @@ class ModelFamily:
     Throughput: `items_per_sample(data)` items (tokens, images) in one sample, reported as
     `throughput_key`; `flops_per_item(architecture, data)` model FLOPs to train on one item
     (models/costs.py), `architecture` with its vocabulary settled.
+    Sizes the engine settles "auto" from: `hidden_size(architecture)` the model width (ZeRO's bucket
+    sizes, as HF's Trainer sizes them), `context_length(architecture)` the longest sequence it takes
+    (`data.seq_len`); None where the family has none.
     Planner: `plan_activations(shape)` estimates activations and the tensors stages and
     tensor-parallel layers send; `suggests_checkpointing`: `plan --suggest` tries
     `model.activation_checkpointing` on it.
@@ -82,6 +85,8 @@ class ModelFamily:
     plan_activations: Callable[[PlanShape], ActivationEstimate]
     suggests_checkpointing: bool
     architecture: Callable[[Mapping[str, Any]], dict[str, Any]]
+    hidden_size: Callable[[Mapping[str, Any]], int | None]
+    context_length: Callable[[Mapping[str, Any]], int | None]
     build: Callable[[Mapping[str, Any]], torch.nn.Module]
     check_init_from: Callable[[Mapping[str, Any]], None]
     compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
@@ -111,6 +116,8 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         plan_activations=module.plan_activations,
         suggests_checkpointing=module.SUGGESTS_CHECKPOINTING,
         architecture=module.architecture,
+        hidden_size=module.hidden_size,
+        context_length=module.context_length,
         build=module.build,
         check_init_from=module.check_init_from,
         compute_loss=module.compute_loss,
@@ -134,7 +141,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
 
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
-    {"gpt": _family("gpt", gpt), "resnet": _family("resnet", resnet)}
+    {"gpt": _family("gpt", gpt), "resnet": _family("resnet", resnet), "llama": _family("llama", llama)}
 )
 
 

@@ -92,6 +92,16 @@ def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def hidden_size(arch: Mapping[str, Any]) -> None:
+    """No single width: ZeRO keeps DeepSpeed's default bucket sizes."""
+    return None
+
+
+def context_length(arch: Mapping[str, Any]) -> None:
+    """Images, not sequences: there is no data.seq_len to settle."""
+    return None
+
+
 def build(section: Mapping[str, Any]) -> nn.Module:
     """A training-mode model; the caller seeds the RNG, so every rank initialises the same weights."""
     arch = architecture(section)

@@ -155,8 +155,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output projection: this rank's vocabulary slice, gathered into full logits."""
-        local = F.linear(_CopyToTensorParallel.apply(hidden, self.group), self.weight)
-        return _GatherFromTensorParallel.apply(local, self.group)
+        return _vocabulary_logits(hidden, self.weight, None, self.group)
+
+
+def _vocabulary_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
+    local = F.linear(_CopyToTensorParallel.apply(hidden, group), weight, bias)
+    return _GatherFromTensorParallel.apply(local, group)
 
 
 class TiedVocabHead(nn.Module):
@@ -171,6 +177,20 @@ class TiedVocabHead(nn.Module):
         return self._embedding[0].logits(hidden)
 
 
+class VocabParallelHead(nn.Module):
+    """The language-model head of an untied model (Llama's `lm_head`), split by vocabulary rows like
+    the embedding: each rank computes its slice of the logits, gathered into full logits."""
+
+    def __init__(self, module: nn.Linear, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.weight = _sharded_parameter(module.weight, Shard(0), group)
+        self.bias = None if module.bias is None else _sharded_parameter(module.bias, Shard(0), group)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _vocabulary_logits(hidden, self.weight, self.bias, self.group)
+
+
 def tied_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits through a tied embedding matrix, sharded or not."""
     if isinstance(embedding, VocabParallelEmbedding):
@@ -181,13 +201,20 @@ def tied_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TensorParallelPlan:
     """Which modules of a family's model split how, by glob pattern over module names, and the
-    attributes of the attention modules that count heads and widths per rank."""
+    attributes of the attention modules that count heads and widths per rank.
+
+    `head` is the language-model head: tied to `vocab_embedding` (the same weight) it becomes the
+    sharded embedding's output projection, untied it is split by vocabulary rows on its own.
+    `divisible` names the architecture fields the degree must divide (each with what it counts, for
+    the message that refuses a degree before launch): heads, key/value heads, MLP width.
+    """
 
     column: Mapping[str, int]  # pattern -> chunks
     row: tuple[str, ...]
     vocab_embedding: str
-    tied_head: str
+    head: str
     per_rank_attributes: Mapping[str, tuple[str, ...]]  # pattern -> attributes divided by the degree
+    divisible: Mapping[str, str]  # architecture field -> what it counts
 
 
 def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:
@@ -204,9 +231,12 @@ def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, group: dis
     for pattern in plan.row:
         for name in matching(pattern):
             _replace(model, name, RowParallel(model.get_submodule(name), group))
-    embedding = VocabParallelEmbedding(model.get_submodule(plan.vocab_embedding), group)
+    full_embedding = model.get_submodule(plan.vocab_embedding)
+    head = model.get_submodule(plan.head)
+    embedding = VocabParallelEmbedding(full_embedding, group)
     _replace(model, plan.vocab_embedding, embedding)
-    _replace(model, plan.tied_head, TiedVocabHead(embedding))
+    tied = head.weight is full_embedding.weight
+    _replace(model, plan.head, TiedVocabHead(embedding) if tied else VocabParallelHead(head, group))
     for pattern, attributes in plan.per_rank_attributes.items():
         for name in matching(pattern):
             module = model.get_submodule(name)

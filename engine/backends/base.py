@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.config.rules import ACCELERATE_WRAPPERS
 from engine.observability.memory import StepWatch
 from engine.observability.step_phases import PhaseTimer
 from engine.parallel.layout import ParallelLayout
@@ -40,7 +39,8 @@ class StepHooks:
         return loss
 
     def after_step(self, step: int) -> None:
-        """Step `step` is done and its health checked (a non-finite step never gets here)."""
+        """Step `step` is done and its health checked (a step that ends the run never gets here; one
+        skipped under `trainer.nonfinite: "skip"` does)."""
 
     def before_publish(self, step: int) -> None:
         """This rank's files of the checkpoint of `step` are written; the checkpoint is not yet published."""
@@ -54,26 +54,22 @@ class BackendSettings:
     accelerate backend reads the same keys (engine/backends/optim.py). `grid` is DeepSpeed's
     process-group grid where the layout splits the model."""
 
+    backend: str  # trainer.backend, resolved: "deepspeed" or "accelerate"
     family: ModelFamily
+    model_fields: Mapping[str, Any]  # the model section, as the family builds from it
     device: torch.device
     input_dtype: torch.dtype  # what floating inputs are cast to: the weights' dtype
     deepspeed_config: dict[str, Any]
     precision: str  # "fp32", "bf16" or "fp16": the weights' dtype in training
     weight_decay_on: str
+    zero_stage: int
+    accelerate_wrapper: str | None  # EngineConfig.accelerate_wrapper
     layout: ParallelLayout
     pipeline_partition_method: str
     pipeline_activation_checkpoint_interval: int
     hooks: StepHooks
     compile: bool  # trainer.compile
     grid: PipelineParallelGrid | None = None
-
-    @property
-    def accelerate_wrapper(self) -> str:
-        return ACCELERATE_WRAPPERS[self.zero_stage]
-
-    @property
-    def zero_stage(self) -> int:
-        return self.deepspeed_config["zero_optimization"]["stage"]
 
     @property
     def offloads(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from engine.backends.base import Backend, BackendSettings, StepHooks
-from engine.backends.deepspeed_backend import DeepSpeedBackend
+from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
@@ -35,12 +35,16 @@ def backend_settings(
     if load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
     return BackendSettings(
+        backend=config.trainer.backend,
         family=family,
+        model_fields=config.model.fields,
         device=device,
         input_dtype=_DTYPES[config.precision],
         deepspeed_config=ds_config,
         precision=config.precision,
         weight_decay_on=config.trainer.weight_decay_on,
+        zero_stage=config.zero_stage,
+        accelerate_wrapper=config.accelerate_wrapper,
         layout=parallel_layout(config),
         pipeline_partition_method=config.parallel.pipeline_partition_method,
         pipeline_activation_checkpoint_interval=config.parallel.pipeline_activation_checkpoint_interval,
@@ -49,28 +53,28 @@ def backend_settings(
     )
 
 
-def build_backend(config: EngineConfig, settings: BackendSettings) -> tuple[Backend, int]:
+def build_backend(settings: BackendSettings) -> tuple[Backend, int]:
     """The backend and this rank's data-parallel index (which shard of each batch it reads).
 
     The caller has seeded every rank alike, so `family.build` gives every rank the same weights.
     """
     family = settings.family
-    if config.trainer.backend == "accelerate":
+    if settings.backend == "accelerate":
         # Imported only here: accelerate with torch's FSDP and distributed checkpointing would add
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
-        return AccelerateBackend(family.build(config.model.fields), settings), torch.distributed.get_rank()
+        return AccelerateBackend(family.build(settings.model_fields), settings), torch.distributed.get_rank()
     partitioned = settings.zero_stage == 3 and family.builds_partitioned
     with partitioned_build(settings.deepspeed_config) if partitioned else nullcontext():
-        model = family.build(config.model.fields)
+        model = family.build(settings.model_fields)
     backend, data_rank = _deepspeed_backend(model, settings)
     if settings.compile:
         backend.compile()
     return backend, data_rank
 
 
-def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[Backend, int]:
+def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[DeepSpeedEngineBackend, int]:
     layout = settings.layout
     if not layout.model_parallel:
         return DeepSpeedBackend(model, settings), torch.distributed.get_rank()

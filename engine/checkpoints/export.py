@@ -1,9 +1,10 @@
 """The end of a run: consolidated fp32 weights in a format the model's own library loads
-(`GPT2LMHeadModel.from_pretrained`, a ResNet `load_state_dict`), plus the tokenizer, so the
-result outlives this engine."""
+(`GPT2LMHeadModel` or `LlamaForCausalLM.from_pretrained`, a ResNet `load_state_dict`), plus the
+tokenizer, so the result outlives this engine."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from models import ModelFamily
 def export_model(
     family: ModelFamily,
     state_dict: dict[str, torch.Tensor],
-    model_config: dict[str, Any],
+    model_config: Mapping[str, Any],
     export_dir: Path,
     tokenizer: Any | None,
 ) -> None:
@@ -32,7 +33,7 @@ def sample_text(family: ModelFamily, export_dir: Path, tokenizer: Any, num_token
     longer than the model's context (transformers' `generate` would index past it).
     """
     model = family.load_export(export_dir).eval()
-    context = model.config.n_positions
+    context = model.config.max_position_embeddings  # transformers' name for it in every config
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([tokenizer.encode("\n")], dtype=torch.long)
     with torch.no_grad():

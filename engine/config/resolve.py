@@ -62,9 +62,10 @@ class EngineConfig:
         return self.document["zero_optimization"]["stage"]
 
     @property
-    def accelerate_wrapper(self) -> str:
-        """What the ZeRO stage means under the accelerate backend: "ddp", "fsdp_grad_op" or "fsdp_full"."""
-        return ACCELERATE_WRAPPERS[self.zero_stage]
+    def accelerate_wrapper(self) -> str | None:
+        """What the ZeRO stage means under the accelerate backend: "ddp", "fsdp_grad_op" or "fsdp_full";
+        None for stage 1, which FSDP has no equivalent of (refused under that backend)."""
+        return ACCELERATE_WRAPPERS.get(self.zero_stage)
 
     @property
     def precision(self) -> str:
@@ -110,12 +111,13 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     _resolve_batch(doc, world_size)
     _resolve_precision(doc, hardware)
     _resolve_optimizer(doc, hardware)
-    architecture = get_family(doc["model"]["family"]).architecture(doc["model"])
-    _resolve_zero_buckets(doc["zero_optimization"], architecture.get("n_embd"))
+    family = get_family(doc["model"]["family"])
+    architecture = family.architecture(doc["model"])
+    _resolve_zero_buckets(doc["zero_optimization"], family.hidden_size(architecture))
     if doc["gradient_clipping"] == AUTO:
         doc["gradient_clipping"] = 1.0
     if doc["data"]["seq_len"] == AUTO:
-        doc["data"]["seq_len"] = architecture.get("n_positions")
+        doc["data"]["seq_len"] = family.context_length(architecture)
     if doc["data"]["stride"] == AUTO:
         doc["data"]["stride"] = doc["data"]["seq_len"]
     if doc["data"]["cache_dir"] == AUTO:

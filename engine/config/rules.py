@@ -119,12 +119,13 @@ def check_tensor_parallel(document: dict, world_size: int, hardware: Hardware | 
             "parallel.tensor_parallel_size to 1",
         )
     architecture = family.architecture(model)
-    if architecture["n_head"] % degree:
-        yield ConfigIssue(
-            "model.n_head",
-            f"{architecture['n_head']} heads cannot be split across tensor_parallel_size {degree}; pick a "
-            f"head count divisible by {degree}",
-        )
+    for field, counted in family.tensor_parallel.divisible.items():
+        if architecture[field] % degree:
+            yield ConfigIssue(
+                f"model.{field}",
+                f"{architecture[field]} {counted} cannot be split across tensor_parallel_size {degree}; pick a "
+                f"{field} divisible by {degree}",
+            )
     vocab = architecture["vocab_size"]
     if vocab != AUTO and vocab % degree:
         yield ConfigIssue(

@@ -394,7 +394,8 @@ _MODEL_COMMON = {
     ),
     "init_from": {
         "type": ["string", "null"],
-        "description": "Local directory of weights to start from (an HF checkpoint for GPT, an engine export).",
+        "description": "Local directory of weights to start from (an HF checkpoint for GPT and Llama, an engine "
+        "export for ResNet).",
         "default": None,
     },
 }
@@ -420,7 +421,7 @@ _DATA = _object(
         "type": _enum(
             ["text", "tokens", "image", "synthetic"],
             "text (raw text, tokenized once into a cached token file) or tokens (token files already written: "
-            "nanoGPT's flat .bin, Megatron/GPT-NeoX .bin/.idx) for GPT, image for ResNet, synthetic for either.",
+            "nanoGPT's flat .bin, Megatron/GPT-NeoX .bin/.idx) for GPT and Llama, image for ResNet, synthetic for any.",
         ),
         "path": {
             "anyOf": [
@@ -491,7 +492,7 @@ _DATA = _object(
         },
         "seq_len": _integer(
             "Input tokens per sample, each with the token after it as its label (so a sample is a window of "
-            'seq_len + 1 tokens); "auto": the model\'s n_positions.',
+            'seq_len + 1 tokens); "auto": the model\'s context (GPT n_positions, Llama max_position_embeddings).',
             AUTO,
             minimum=2,
             auto=True,
@@ -621,7 +622,7 @@ _TRAINER = _object(
         "compile": _boolean(
             "Compile the model with torch.compile (inductor). DeepSpeed compiles it through its engine's "
             "`compile()` (each stage's layers under pipeline parallelism); the accelerate backend compiles each "
-            "FSDP unit (a GPT's transformer blocks, a ResNet's four stages) before DDP or FSDP wraps it, as "
+            "FSDP unit (a GPT's or Llama's transformer blocks, a ResNet's four stages) before DDP or FSDP wraps it, as "
             "torchtitan does. The first steps pay the compilation.",
             False,
         ),
@@ -648,8 +649,9 @@ _PARALLEL = _object(
     "size / (tensor x pipeline), and the ranks of one tensor-parallel group are adjacent.",
     {
         "tensor_parallel_size": _integer(
-            "Ranks that split each GPT layer (Megatron-style: attention by heads, MLP by width, embedding "
-            "and tied head by vocabulary). Must divide n_head; ZeRO stage 0-2.",
+            "Ranks that split each transformer layer (Megatron-style: attention by heads, key/value heads with "
+            "them, MLP by width, embedding and head by vocabulary). Must divide the heads (GPT n_head; Llama "
+            "num_attention_heads, num_key_value_heads and intermediate_size); ZeRO stage 0-2.",
             1,
             minimum=1,
         ),

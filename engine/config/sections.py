@@ -115,6 +115,7 @@ class TrainerSection:
 
     @property
     def output_path(self) -> Path:
+        """Where the run writes: logs, metrics, checkpoints, the export."""
         return Path(self.output_dir)
 
 

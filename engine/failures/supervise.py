@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 
+from engine.launch.detect import LAUNCHER_PID_ENV
+
 SUPERVISED_ENV = "ENGINE_SUPERVISED"
-# The supervisor's parent: the launcher, for checks that read the launcher's command line.
-LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
 _PASSED_ON = (signal.SIGTERM, signal.SIGINT)
 
 

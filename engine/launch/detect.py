@@ -11,8 +11,9 @@ import os
 import re
 from pathlib import Path
 
-from engine.failures.supervise import LAUNCHER_PID_ENV
-
+# Set by each rank's supervisor to its parent, the launcher, for checks that read the launcher's
+# command line (engine/failures/supervise.py).
+LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
 BACKENDS = ("deepspeed", "accelerate")
 
 

@@ -111,7 +111,7 @@ def optimizer_kind(config: EngineConfig) -> OptimizerKind:
 def zero_settings(config: EngineConfig) -> ZeroSettings:
     zero = config.document["zero_optimization"]
     return ZeroSettings(
-        stage=zero["stage"],
+        stage=config.zero_stage,
         precision=config.precision,
         offload_optimizer=zero["offload_optimizer"]["device"] != "none",
         offload_param=zero["offload_param"]["device"] != "none",

@@ -29,8 +29,8 @@ def build_on_meta(family: ModelFamily, section: Mapping[str, Any]) -> nn.Module:
 
 def sharded_parameters(model: nn.Module, plan: TensorParallelPlan | None, tensor: int) -> set[int]:
     """Identities of the parameters `apply_tensor_parallel` splits across `tensor` ranks: every
-    parameter of a column-parallel module, a row-parallel weight (its bias stays whole) and the
-    vocabulary embedding (which the tied head shares)."""
+    parameter of a column-parallel module, a row-parallel weight (its bias stays whole), the
+    vocabulary embedding and the head (the same weight where they are tied)."""
     if plan is None or tensor == 1:
         return set()
     modules = dict(model.named_modules())
@@ -41,6 +41,7 @@ def sharded_parameters(model: nn.Module, plan: TensorParallelPlan | None, tensor
     split = {id(p) for pattern in plan.column for module in matching(pattern) for p in module.parameters()}
     split |= {id(module.weight) for pattern in plan.row for module in matching(pattern)}
     split.add(id(modules[plan.vocab_embedding].weight))
+    split |= {id(p) for p in modules[plan.head].parameters()}
     return split
 
 

@@ -43,7 +43,7 @@ def main(config_path: str, out: Path, overrides: list[str]) -> None:
     device = init_process_group("cpu")
     seed_everything(config.trainer.seed)
     recording = dataclasses.replace(family, build=recording_build)
-    backend, _ = build_backend(config, backend_settings(config, recording, device, StepHooks()))
+    backend, _ = build_backend(backend_settings(config, recording, device, StepHooks()))
     integration_after = is_deepspeed_zero3_enabled()
     module = backend.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):

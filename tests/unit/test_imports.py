@@ -99,3 +99,25 @@ def test_no_import_cycles():
         if name not in state:
             visit(name)
     assert cycles == []
+
+
+def package_of(module: str) -> str:
+    """engine.<package> for the engine's packages and job modules; models and data whole."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "engine" and len(parts) > 1 else parts[0]
+
+
+def test_no_cycles_between_packages():
+    edges: dict[str, set[str]] = {}
+    for name, targets in import_graph().items():
+        edges.setdefault(package_of(name), set()).update(package_of(target) for target in targets)
+    for package, targets in edges.items():
+        targets.discard(package)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for target in edges.get(start, ()):
+            if target == goal or (target not in seen and reaches(target, goal, seen | {target})):
+                return True
+        return False
+
+    assert [package for package in sorted(edges) if reaches(package, package, set())] == []

@@ -67,7 +67,7 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_registry_lists_both_families_and_get_family_returns_them():
-    assert set(FAMILIES) == {"gpt", "resnet"}
+    assert set(FAMILIES) == {"gpt", "resnet", "llama"}
     for name, family in FAMILIES.items():
         assert get_family(name) is family
         assert family.name == name
@@ -85,7 +85,8 @@ def test_unknown_preset_names_the_family_presets(family, preset):
     assert all(name in str(raised.value) for name in FAMILIES[family].presets)
 
 
-# Published sizes: GPT-2 with tied embeddings (HF model cards), ResNet from torchvision's docs.
+# Published sizes: GPT-2 with tied embeddings (HF model cards), ResNet from torchvision's docs, Llama
+# 3.2 1B (tied) and Llama 3 8B (untied) as their safetensors index totals count them.
 EXPECTED_PARAMETERS = {
     ("gpt", "124M"): 124_439_808,
     ("gpt", "350M"): 354_823_168,
@@ -96,12 +97,14 @@ EXPECTED_PARAMETERS = {
     ("resnet", "resnet50"): 25_557_032,
     ("resnet", "resnet101"): 44_549_160,
     ("resnet", "resnet152"): 60_192_808,
+    ("llama", "1B"): 1_235_814_400,
+    ("llama", "8B"): 8_030_261_248,
 }
 
 
 def test_every_preset_has_a_published_size_to_check():
     shipped = {(name, preset) for name, family in FAMILIES.items() for preset in family.presets}
-    assert shipped - {("gpt", "tiny")} == set(EXPECTED_PARAMETERS)
+    assert shipped - {("gpt", "tiny"), ("llama", "tiny")} == set(EXPECTED_PARAMETERS)
 
 
 @pytest.mark.parametrize("family, preset", sorted(EXPECTED_PARAMETERS))

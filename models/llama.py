@@ -1,0 +1,339 @@
+"""Llama family: transformers' `LlamaForCausalLM` as shipped (rotary positions, RMSNorm, SwiGLU MLP,
+grouped-query attention, tied or untied head), and what the engine needs around it.
+
+As in models/gpt.py, transformers and DeepSpeed are imported inside the functions that build or run
+a model, so config validation and the planner read the presets without importing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from models import common
+from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
+from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
+from models.tensor_parallel import TensorParallelPlan
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+_LLAMA3 = {"vocab_size": 128256, "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "tiny": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "vocab_size": AUTO,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    # meta-llama/Llama-3.2-1B's config.json.
+    "1B": {
+        **_LLAMA3,
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+    },
+    # meta-llama/Meta-Llama-3-8B's config.json.
+    "8B": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
+}
+# What `model.init_from` must match, by LlamaConfig's names (rope_theta and rope_scaling make up
+# its `rope_parameters`); and what this family always builds the same way.
+ARCHITECTURE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "vocab_size",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+)
+FIXED_FIELDS = ("head_dim", "hidden_act", "attention_bias", "mlp_bias")
+# Built (by transformers partitioned under ZeRO-3: engine/parallel/zero3_init.py), loaded from
+# `model.init_from` and exported as HF's Llama checkpoints: a tied embedding stored once, as Llama
+# 3.2's are, an untied head under lm_head.weight.
+BUILDS_PARTITIONED = True
+CHECKPOINT = HFCheckpoint(
+    model_class="LlamaForCausalLM",
+    kind="Llama",
+    config=lambda section: llama_config(architecture(section)),
+    fields=ARCHITECTURE_FIELDS,
+    fixed=FIXED_FIELDS,
+    embedding="model.embed_tokens.weight",
+)
+build, check_init_from = CHECKPOINT.build, CHECKPOINT.check_init_from
+export, load_export = CHECKPOINT.export, CHECKPOINT.load_export
+# Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
+compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
+apply_activation_checkpointing = common.apply_activation_checkpointing
+# Trained on token samples, `data.seq_len` of them each; the vocabulary comes from the tokenizer.
+DATA_TYPES, SAMPLES, THROUGHPUT_KEY = TOKEN_DATA_TYPES, "tokens", "tokens_per_s"
+USES_VOCABULARY = SUGGESTS_CHECKPOINTING = True
+
+
+def _integer(description: str) -> dict[str, Any]:
+    return {"type": "integer", "minimum": 1, "description": f"{description} (overrides the preset)."}
+
+
+def _positive(description: str) -> dict[str, Any]:
+    return {"type": "number", "exclusiveMinimum": 0, "description": f"{description} (overrides the preset)."}
+
+
+# The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
+MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
+    "preset": {
+        "enum": list(PRESETS),
+        "description": "Llama shape: tiny (tests), 1B (Llama 3.2 1B), 8B (Llama 3 8B); explicit fields below "
+        "override it.",
+    },
+    "hidden_size": _integer("Model width"),
+    "num_hidden_layers": _integer("Decoder layers"),
+    "num_attention_heads": _integer("Query heads; must divide hidden_size into an even head width"),
+    "num_key_value_heads": _integer(
+        "Key/value heads (grouped-query attention); must divide num_attention_heads, which it equals for "
+        "plain multi-head attention"
+    ),
+    "intermediate_size": _integer("Width of the SwiGLU MLP"),
+    "max_position_embeddings": _integer('Longest sequence the model is meant for; data.seq_len "auto" takes it'),
+    "rope_theta": _positive("Base of the rotary position embedding's frequencies"),
+    "rope_scaling": {
+        "type": ["object", "null"],
+        "description": "transformers' rope_parameters besides rope_theta, for a scaled rotary embedding "
+        '(Llama 3.1/3.2: {"rope_type": "llama3", "factor": 32.0, ...}); null: plain RoPE (overrides the preset '
+        'where set; {"rope_type": "default"} turns a preset\'s scaling off).',
+    },
+    "rms_norm_eps": _positive("Epsilon of the RMSNorms"),
+    "tie_word_embeddings": {
+        "type": "boolean",
+        "description": "Share one matrix between the token embedding and the output head (overrides the preset).",
+    },
+    **common.decoder_schema(
+        "The 1B and 8B presets assume Llama 3's 128256 tokens; the head splits as the embedding does.",
+        "Dropout on the attention weights (Llama's only dropout, attention_dropout).",
+    ),
+}
+
+
+def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
+    return common.decoder_architecture("llama", PRESETS, section)
+
+
+def llama_config(arch: Mapping[str, Any]) -> LlamaConfig:
+    from transformers import LlamaConfig
+
+    rope = {**(arch["rope_scaling"] or {"rope_type": "default"}), "rope_theta": float(arch["rope_theta"])}
+    return LlamaConfig(
+        vocab_size=common.settled_vocabulary(arch),
+        hidden_size=arch["hidden_size"],
+        intermediate_size=arch["intermediate_size"],
+        num_hidden_layers=arch["num_hidden_layers"],
+        num_attention_heads=arch["num_attention_heads"],
+        num_key_value_heads=arch["num_key_value_heads"],
+        max_position_embeddings=arch["max_position_embeddings"],
+        rms_norm_eps=float(arch["rms_norm_eps"]),
+        tie_word_embeddings=arch["tie_word_embeddings"],
+        rope_parameters=rope,
+        attention_dropout=float(arch["dropout"]),
+        # No special token ids: the tokenizer exported beside the model names its own, and in a
+        # character vocabulary LlamaConfig's defaults (1, 2) are real characters that would stop
+        # `generate` mid-text. No padding row either: nn.Embedding would never train it.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation=arch["attn_implementation"],
+    )
+
+
+# -- Config checks, FLOPs and the planner's estimates ------------------------------------------
+
+
+def config_issues(
+    section: Mapping[str, Any], data: Mapping[str, Any], micro_batch: int | None
+) -> Iterator[tuple[str, str]]:
+    """What the schema cannot say about a Llama config: (JSON path, how to fix it) pairs. The
+    tensor-parallel degree's divisibility is checked from TENSOR_PARALLEL_PLAN.divisible, the
+    pipeline stages against the layers, by the engine's rules for every family."""
+    arch = architecture(section)
+    hidden, heads, kv_heads = arch["hidden_size"], arch["num_attention_heads"], arch["num_key_value_heads"]
+    if hidden % heads:
+        yield (
+            "model.num_attention_heads",
+            f"{heads} heads do not divide hidden_size {hidden}; pick a head count that divides the width",
+        )
+    elif (hidden // heads) % 2:
+        yield (
+            "model.num_attention_heads",
+            f"{heads} heads of hidden_size {hidden} are {hidden // heads} wide; rotary embeddings rotate pairs of "
+            "features, so pick a head count that leaves an even head width",
+        )
+    if heads % kv_heads:
+        yield (
+            "model.num_key_value_heads",
+            f"{kv_heads} key/value heads do not divide num_attention_heads {heads}; each key/value head serves "
+            "an equal group of query heads",
+        )
+    yield from common.sequence_issues(
+        data, arch["max_position_embeddings"], "max_position_embeddings", arch["vocab_size"]
+    )
+
+
+def hidden_size(arch: Mapping[str, Any]) -> int:
+    """The width ZeRO's buckets are sized by."""
+    return arch["hidden_size"]
+
+
+def context_length(arch: Mapping[str, Any]) -> int:
+    """What data.seq_len "auto" trains on."""
+    return arch["max_position_embeddings"]
+
+
+def items_per_sample(data: Mapping[str, Any]) -> int:
+    """Throughput and MFU count tokens: a sample holds `data.seq_len` of them."""
+    return data["seq_len"]
+
+
+def flop_parameters(arch: Mapping[str, Any]) -> int:
+    """N of the "6N" term, from the shape: every weight a matmul multiplies each token by, plus the
+    RMSNorm weights (as GPT's N keeps its LayerNorms). Grouped-query attention projects keys and
+    values to num_key_value_heads heads only. The token embedding is a lookup and left out; the head
+    is counted as the logits matmul it is, once, whether or not it shares the embedding's matrix (so
+    N equals GPT's convention for a tied head and torchtitan's for an untied one)."""
+    hidden, inner = arch["hidden_size"], arch["intermediate_size"]
+    kv_width = arch["num_key_value_heads"] * (hidden // arch["num_attention_heads"])
+    per_layer = (
+        hidden * hidden  # query projection
+        + 2 * hidden * kv_width  # key and value projections
+        + hidden * hidden  # attention output projection
+        + 3 * hidden * inner  # SwiGLU gate, up and down projections
+        + 2 * hidden  # two RMSNorms
+    )
+    final_norm = hidden
+    return arch["num_hidden_layers"] * per_layer + final_norm + arch["vocab_size"] * hidden
+
+
+def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
+    """Training FLOPs per token at the trained sequence length: 6N plus attention, as for GPT
+    (models/gpt.flops_per_token). Scores and weighted sum run over every query head, so they cost
+    seq_len * hidden_size multiply-adds each per layer and token, however few key/value heads there
+    are. `arch` has its vocabulary settled."""
+    attention = FLOPS_PER_MAC * TRAINING_PASSES * 2 * arch["num_hidden_layers"] * arch["hidden_size"] * data["seq_len"]
+    return FLOPS_PER_MAC * TRAINING_PASSES * flop_parameters(arch) + attention
+
+
+def plan_activations(shape: PlanShape) -> ActivationEstimate:
+    """Activations by formula, Korthikanti et al.'s count (arXiv:2205.05198, eq. 2) redone for this
+    layer, in 2-byte elements per token of width h at tensor-parallel degree t: kept whole on every
+    rank, the two RMSNorm inputs and the inputs of the q/k/v and gate/up projections (8h); split,
+    the query (2h) and the key and value (4 * kv width) after rotation, the input of the output
+    projection (2h), the gate output, its SiLU, the up output and their product (8 * intermediate),
+    and the attention scores, softmax and dropout mask (5 * heads * seq_len); there is no residual
+    dropout. `common.decoder_activations` scales and sums them."""
+    arch = architecture(shape.section)
+    hidden, heads, seq_len = arch["hidden_size"], arch["num_attention_heads"], shape.data["seq_len"]
+    kv_width = arch["num_key_value_heads"] * (hidden // heads)
+    split = 4 * hidden + 4 * kv_width + 8 * arch["intermediate_size"]
+
+    def layer_factor(tensor: int) -> float:
+        return 8 + split / (hidden * tensor) + 5 * heads * seq_len / (hidden * tensor)
+
+    return common.decoder_activations(shape, hidden, shape.section.get("vocab_size"), layer_factor)
+
+
+# -- Parallel forms ---------------------------------------------------------------------------
+
+_LAYER = "model.layers.*"
+TENSOR_PARALLEL_PLAN = TensorParallelPlan(
+    # Each projection splits on head boundaries: rank r keeps query heads r*H/t.. and the key/value
+    # heads r*KV/t.. that serve exactly those query heads under grouped-query attention.
+    column={f"{_LAYER}.self_attn.{name}_proj": 1 for name in ("q", "k", "v")}
+    | {f"{_LAYER}.mlp.gate_proj": 1, f"{_LAYER}.mlp.up_proj": 1},
+    row=(f"{_LAYER}.self_attn.o_proj", f"{_LAYER}.mlp.down_proj"),
+    vocab_embedding="model.embed_tokens",
+    head="lm_head",
+    # LlamaAttention counts no heads: it views its projections as (-1, head_dim), and the ratio of
+    # query to key/value heads it repeats by (num_key_value_groups) is the same on every rank.
+    per_rank_attributes={},
+    divisible={
+        "num_attention_heads": "attention heads",
+        "num_key_value_heads": "key/value heads",
+        "intermediate_size": "MLP features (intermediate_size)",
+    },
+)
+
+
+PIPELINE_BLOCK_TYPE = "LlamaDecoderLayer"  # matched by search: the layer class is LlamaDecoderLayerPipe
+
+
+def pipeline_blocks(arch: Mapping[str, Any]) -> int:
+    return arch["num_hidden_layers"]
+
+
+class LlamaDecoderLayerPipe(nn.Module):
+    """A LlamaDecoderLayer as a pipeline layer: hidden states in, hidden states out. Only that one
+    tensor crosses a stage boundary, so each layer makes what LlamaModel would have handed it: the
+    positions of the whole sequence, their rotary cos/sin (the model's own rotary module, shared by
+    every layer of a stage) and the causal mask."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: LlamaConfig):
+        super().__init__()
+        self.layer, self.rotary, self.config = layer, rotary, config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions, mask = common.positions_and_mask(self.config, hidden)
+        rotation = self.rotary(hidden, positions)
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
+
+
+def pipeline_layers(model: LlamaForCausalLM) -> list:
+    """Llama as a sequence of pipeline layers made of the model's own modules: token embedding,
+    the decoder layers, the final norm and the head. A tied head is the embedding again (DeepSpeed
+    keeps the first and last stage's copies equal); an untied one is its own layer on the last stage."""
+    decoder = model.model
+    layers = [LlamaDecoderLayerPipe(layer, decoder.rotary_emb, model.config) for layer in decoder.layers]
+    if model.config.tie_word_embeddings:
+        embedding, head = common.tied_embedding_layers("embed_tokens", decoder.embed_tokens)
+    else:
+        embedding, head = decoder.embed_tokens, model.lm_head
+    return [embedding, *layers, decoder.norm, head]
+
+
+def shard_units(model: LlamaForCausalLM) -> list[nn.Module]:
+    """The modules FSDP shards as one unit each: the decoder layers (the rest goes with the root)."""
+    return list(model.model.layers)
+
+
+# A stage's batch, loss and evaluation sums: the causal-LM ones (models/common.py).
+pipeline_batch, pipeline_loss = common.pipeline_batch, common.pipeline_loss
+pipeline_eval_sums, EVAL_SUMS = common.pipeline_eval_sums, common.EVAL_SUMS
