@@ -1,27 +1,13 @@
 """The pipeline's actual schedule: when each stage ran each micro-batch's forward and backward in the
 last training step, drawn as a Gantt chart, with the measured bubble next to (p-1)/(m+p-1).
 
-The recording is done by the pipeline backend (engine/backends/pipeline_backend.py), which times every
-instruction DeepSpeed's engine executes. Here the stages' records are gathered to rank 0, put on one
-clock, measured and drawn.
-
-Two idle fractions are reported, both `1 - busy / (p x span)` with busy the forward and backward time
-of the p stages and span the time from the step's first forward to its last backward:
-
-- the *measured bubble, in stage time*: the recorded schedule replayed with each stage's forward
-  and backward cost, every pass starting as soon as its stage is free and its input exists (the
-  previous stage's forward of the micro-batch, or the next stage's backward), while communication,
-  data loading and host overhead take no time. This is the quantity (p-1)/(m+p-1) describes, the
-  idle the schedule forces in units of the stages' compute time, and it equals the formula for a
-  1F1B order of equal stages. It measures the order DeepSpeed ran (micro-batch by micro-batch, as
-  recorded) and how unequal its stages are. A pass's cost is the compute it used
-  (`PipelineEvent.compute_seconds`: CPU time on a CPU, so that time the OS gave another process
-  does not count) and a stage's is the fastest of its passes over every recorded step (the steps
-  the loop logs; `pooled_costs`), so that disturbed passes do not pass for a slow stage. Nor does
-  the figure depend on how well the ranks' clocks are aligned.
-- the *wall-clock idle fraction*: the same ratio on the recorded times themselves, so it also holds
-  every send, receive, load and stall of the real run, and the machine's noise. On CPU it can come
-  out below the formula: a core's neighbour running alone in the bubble runs faster.
+The pipeline backend records every instruction DeepSpeed's engine executes; here the stages'
+records are gathered to rank 0, put on one clock, measured and drawn. Two idle fractions are
+reported, both `1 - busy / (p x span)`: the *measured bubble, in stage time* (the recorded order
+replayed with each stage's own pass costs, so machine noise and clock skew do not enter: what the
+formula describes) and the *wall-clock idle fraction* of the recorded times themselves. Why both,
+and how a pass's cost is taken: docs/design.md, "The pipeline bubble is measured by replaying the
+recorded schedule in stage time".
 """
 
 from __future__ import annotations

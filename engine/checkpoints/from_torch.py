@@ -1,25 +1,13 @@
 """Checkpoints of torch optimizer state in DeepSpeed's universal form, for the DeepSpeed backend to
-resume on any layout: an accelerate backend's, and DeepSpeed's own fp32 ZeRO-0 one.
+resume on any layout: an accelerate backend's (torch distributed checkpoints of whole tensors or
+FSDP2 row pieces) and DeepSpeed's own fp32 ZeRO-0 one (a bare torch optimizer, keyed by position).
 
-The accelerate backend saves torch distributed checkpoints of `get_state_dict`: whole tensors
-under DDP, FSDP2's row pieces as DTensors. torch's DCP reader joins them into full tensors in one
-process (as its `dcp_to_torch_save` does, but a few keys at a time), which are what a universal
-checkpoint holds per parameter: the fp32 weight, Adam's moments and step, each in the
-`{"param": tensor}` form `ds_to_universal` writes. Around them go the two files DeepSpeed's
-universal loader reads besides: the optimizer's common state (DeepSpeed version and group
-hyperparameters) and the engine state (`mp_rank_00_model_states.pt`: LR schedule, step counters
-and client state, and the module state whose buffers `universal.saved_buffers` reads).
-`checkpoint.load_universal` then cuts this like any conversion.
-
-Under fp32 ZeRO-0 DeepSpeed steps a bare torch optimizer, and its model states file holds the whole
-weights, torch's optimizer state keyed by position and the engine state itself; `ds_to_universal`
-reads ZeRO's optimizer files only, so the same writer takes it, the positions named by the order
-the save recorded.
-
-Neither conversion holds the model and both Adam moments in memory at once. ZeRO-0's model states
-are memory-mapped, so each tensor streams from the page cache into its own file. From DCP the
-weights are read whole (the engine state carries them, as DeepSpeed's own does) and each
-parameter's Adam state only when its folder is written.
+Both are written as `ds_to_universal` writes: per parameter the fp32 weight and Adam's moments and
+step, plus the optimizer's common state and the engine state DeepSpeed's universal loader reads, so
+`checkpoint.load_universal` cuts them like any conversion. Neither conversion holds the model and
+both Adam moments in memory at once. The story and its measurements: docs/checkpoints.md,
+"Resuming on another layout", and docs/design.md, "Reshaping goes through DeepSpeed's universal
+checkpoint, with our names and cuts added".
 """
 
 from __future__ import annotations

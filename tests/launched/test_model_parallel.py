@@ -24,7 +24,7 @@ from tests.support.launch import ROOT, launch
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.reference import reference_run
 
-GPT, RESNET = "configs/tiny_gpt.json", "configs/tiny_resnet.json"
+GPT, RESNET, LLAMA = "configs/tiny_gpt.json", "configs/tiny_resnet.json", "configs/llama_tiny.json"
 PP2 = {"parallel.pipeline_parallel_size": 2}
 TP2 = {"parallel.tensor_parallel_size": 2}
 # The same global batch in two micro-batches a step: the pipeline's 1F1B schedule then interleaves
@@ -74,6 +74,9 @@ LAYOUTS = [
     Layout("pp2_dp2_zero1_2_micro_batches", GPT, 4, {**PP2, **TWO_MICRO_BATCHES, "zero_optimization.stage": 1}),
     Layout("pp2_tp2", GPT, 4, {**PP2, **TP2}),
     Layout("pp2_tp2_dp2", GPT, 8, {**PP2, **TP2}),
+    # What GPT's rows do not reach: grouped-query attention split by heads (one key/value head per
+    # shard), rotary positions computed on each stage, and an untied, vocabulary-split head.
+    Layout("pp2_tp2_llama_gqa_untied", LLAMA, 4, {**PP2, **TP2}),
 ]
 
 
@@ -87,7 +90,7 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
     assert_grad_norms_match(run.records, reference.grad_norms)
     assert run.losses[-1] < run.losses[0]
     assert_weights_match(run.exported_state_dict(), reference.model, layout.weight_tolerance)
-    if layout.config == GPT:
+    if layout.config in (GPT, LLAMA):
         assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert_start_up_table(run.stdout, layout)
     assert_plan_matches_measured(run, layout.config, layout.overrides, world_size=layout.nproc)

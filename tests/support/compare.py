@@ -47,7 +47,7 @@ def assert_weights_match(exported: dict[str, torch.Tensor], reference: torch.nn.
 
 
 def assert_eval_matches(records: list[dict], reference_eval_loss: float | None, tolerance: float) -> None:
-    """The run's evaluation after its last step is the reference's (which GPT's runs have)."""
-    assert reference_eval_loss is not None, "the reference evaluates GPT only"
+    """The run's evaluation after its last step is the reference's (which decoders' runs have)."""
+    assert reference_eval_loss is not None, "the reference evaluates decoders (token samples) only"
     evaluated = records[-1]["eval_loss"]
     assert abs(evaluated - reference_eval_loss) <= tolerance, (evaluated, reference_eval_loss)

@@ -27,8 +27,8 @@ class ReferenceRun:
     losses: list[float]
     grad_norms: list[float]  # each step's global gradient norm before clipping
     model: torch.nn.Module
-    # GPT's next-token loss after the last step, over every rank's validation batches, summed by
-    # cross-entropy here rather than by the model family's code; None for ResNet, whose BatchNorm
+    # A decoder's next-token loss after the last step, over every rank's validation batches, summed
+    # by cross-entropy here rather than by the model family's code; None for ResNet, whose BatchNorm
     # statistics differ per rank under data parallelism.
     eval_loss: float | None
 
@@ -91,7 +91,7 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
             scheduler.step()
         losses.append(total / (accumulation * dp))
     eval_loss = None
-    if config.model.family == "gpt":
+    if family.samples == "tokens":
         eval_loss = _evaluate(model, bundle.validation, doc["train_micro_batch_size_per_gpu"], dp, config)
     return ReferenceRun(config, losses, grad_norms, model, eval_loss)
 
