@@ -29,12 +29,12 @@ from tests.support.memory import assert_plan_matches_measured
 from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
 
-CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
+CONFIGS = {"gpt": "configs/tiny_gpt.json", "llama": "configs/llama_tiny.json", "resnet": "configs/tiny_resnet.json"}
 # ResNet trains unclipped, as in test_parity.py: FSDP's norm summed from shards is 2.3e-6 off the
 # reference's at step 1, and BatchNorm over micro-batches of 4 grows that to a loss 1.4e-4 off by
 # step 5 (measured on an AMD EPYC; an Intel machine stayed under 1e-5). Unclipped, FSDP is
 # bit-identical; clipping under FSDP is checked on GPT.
-FAMILY_OVERRIDES = {"gpt": {}, "resnet": {"gradient_clipping": 0.0}}
+FAMILY_OVERRIDES = {"gpt": {}, "llama": {}, "resnet": {"gradient_clipping": 0.0}}
 # FSDP sums the clipping norm from shards, so clip coefficients differ in the last bit; Adam turns
 # that into visible steps for elements whose gradient is near eps (see test_parity.py).
 WEIGHT_TOLERANCE = 1e-4
@@ -72,12 +72,14 @@ def parameter_elements_per_rank(stdout: str) -> tuple[list[int], int]:
 
 # ResNet runs the wrappers whose arithmetic differs (BatchNorm per rank, gradients sharded, micro-batch
 # gradients summed before the reduction; unclipped, measured 1.8e-7 from the reference under FSDP
-# with accumulation); GPT runs them all.
+# with accumulation); Llama the one that shards its decoder layers, grouped-query attention and
+# untied head; GPT runs them all.
+FAMILY_WRAPPERS = {"llama": ("fsdp_full",), "resnet": ("ddp", "fsdp_full", "fsdp_full_accumulate")}
 CASES = [
     (family, wrapper)
     for family in sorted(CONFIGS)
     for wrapper in WRAPPERS
-    if family == "gpt" or wrapper.name in ("ddp", "fsdp_full", "fsdp_full_accumulate")
+    if family == "gpt" or wrapper.name in FAMILY_WRAPPERS[family]
 ]
 
 
@@ -91,7 +93,7 @@ def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrap
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms)
     assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
-    if family == "gpt":
+    if family != "resnet":
         assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert f"accelerate backend: {wrapper.wrapper} on 2 process(es)" in run.stdout
     per_rank, total = parameter_elements_per_rank(run.stdout)

@@ -49,12 +49,14 @@ VARIANTS = [
         },
     ),
 ]
-CONFIGS = {"gpt": "configs/tiny_gpt.json", "resnet": "configs/tiny_resnet.json"}
+CONFIGS = {"gpt": "configs/tiny_gpt.json", "llama": "configs/llama_tiny.json", "resnet": "configs/tiny_resnet.json"}
 
 
 # Each mode runs GPT with clipping (each ZeRO stage computes the global norm its own way) and
-# ResNet without (BatchNorm and convolutions, held to the tighter unclipped tolerance).
+# ResNet without (BatchNorm and convolutions, held to the tighter unclipped tolerance). Llama runs
+# ZeRO-3 alone: its decoder built partitioned, with grouped-query attention and an untied head.
 CASES = [(variant, family, clipping) for variant in VARIANTS for family, clipping in (("gpt", 1.0), ("resnet", 0.0))]
+CASES.append((VARIANTS[3], "llama", 1.0))
 
 
 @pytest.mark.launch
@@ -73,7 +75,7 @@ def test_two_ranks_match_single_process(family: str, variant: Variant, clipping:
     assert run.losses[-1] < run.losses[0]
     tolerance = CLIPPED_WEIGHT_TOLERANCE if clipping else UNCLIPPED_WEIGHT_TOLERANCE
     assert_weights_match(run.exported_state_dict(), reference.model, tolerance)
-    if family == "gpt":
+    if family != "resnet":
         assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert_plan_matches_measured(run, CONFIGS[family], overrides, world_size=2)
 
