@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from tests.support.compare import (
     LOSS_TOLERANCE,
@@ -94,6 +95,11 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
         assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert_start_up_table(run.stdout, layout)
     assert_plan_matches_measured(run, layout.config, layout.overrides, world_size=layout.nproc)
+    if layout.config == LLAMA:
+        # The round trip: the export, loaded by transformers alone, computes on the evaluation's
+        # fixed batches the loss the split model computed on them.
+        exported = AutoModelForCausalLM.from_pretrained(run.output_dir / "export", dtype=torch.float32)
+        assert abs(reference.evaluate(exported) - run.records[-1]["eval_loss"]) <= LOSS_TOLERANCE
 
 
 def assert_start_up_table(log: str, layout: Layout) -> None:

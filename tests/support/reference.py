@@ -31,6 +31,14 @@ class ReferenceRun:
     # by cross-entropy here rather than by the model family's code; None for ResNet, whose BatchNorm
     # statistics differ per rank under data parallelism.
     eval_loss: float | None
+    validation: Dataset  # the validation set the evaluation read
+
+    def evaluate(self, model: torch.nn.Module) -> float:
+        """`model`'s next-token loss on the batches this reference evaluates on (an export, loaded
+        with transformers, against the run that wrote it)."""
+        dp = self.config.dp_size
+        micro_batch = self.config.document["train_micro_batch_size_per_gpu"]
+        return _evaluate(model, self.validation, micro_batch, dp, self.config)
 
 
 def reference_run(config_path: str, overrides: dict[str, object], world_size: int) -> ReferenceRun:
@@ -93,7 +101,7 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     eval_loss = None
     if family.samples == "tokens":
         eval_loss = _evaluate(model, bundle.validation, doc["train_micro_batch_size_per_gpu"], dp, config)
-    return ReferenceRun(config, losses, grad_norms, model, eval_loss)
+    return ReferenceRun(config, losses, grad_norms, model, eval_loss, bundle.validation)
 
 
 def _evaluate(model: torch.nn.Module, validation: Dataset, micro_batch: int, dp: int, config: EngineConfig) -> float:
