@@ -15,7 +15,7 @@ import torch
 
 from tests.support.launch import Run, launch, launch_accelerate, read_run, run_single
 
-GPT = "configs/tiny_gpt.json"
+GPT, LLAMA = "configs/tiny_gpt.json", "configs/llama_tiny.json"
 # A warm-up schedule, so a resume that lost the scheduler state would show in the learning rate.
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 4}}
 STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": SCHEDULE}
@@ -102,6 +102,16 @@ def test_pipeline_and_tensor_shards_resume_as_one_process(pipeline_tensor: Run, 
     tensor shards joined; "auto" keeps the vocabulary the checkpoint padded for two shards."""
     resumed = resumed_from(pipeline_tensor, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1)
     assert_continues(resumed, pipeline_tensor)
+
+
+@pytest.mark.launch
+def test_llama_pipeline_and_tensor_shards_resume_as_one_process(tmp_path: Path):
+    """Llama's pieces GPT has not: key/value projections split one head per shard, an untied head
+    split by vocabulary rows on the last stage, rotary positions recomputed per stage. The universal
+    conversion joins them into the one-process model, which trains on as the uninterrupted run."""
+    source = launch(LLAMA, {**STEPS, **PP2_TP2}, tmp_path / "pp2_tp2", nproc=4)
+    resumed = resumed_from(source, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1, config=LLAMA)
+    assert_continues(resumed, source)
 
 
 @pytest.mark.launch
