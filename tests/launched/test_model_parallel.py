@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.compare import (
     LOSS_TOLERANCE,
@@ -48,6 +48,7 @@ class Layout:
     config: str
     nproc: int
     overrides: dict
+    hf_tokenizer: bool = False  # train on tests/conftest.py's byte-level BPE, exported beside the weights
 
     @property
     def weight_tolerance(self) -> float:
@@ -77,15 +78,18 @@ LAYOUTS = [
     Layout("pp2_tp2_dp2", GPT, 8, {**PP2, **TP2}),
     # What GPT's rows do not reach: grouped-query attention split by heads (one key/value head per
     # shard), rotary positions computed on each stage, and an untied, vocabulary-split head.
-    Layout("pp2_tp2_llama_gqa_untied", LLAMA, 4, {**PP2, **TP2}),
+    Layout("pp2_tp2_llama_gqa_untied", LLAMA, 4, {**PP2, **TP2}, hf_tokenizer=True),
 ]
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
-def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
-    run = launch(layout.config, layout.overrides, tmp_path / "run", nproc=layout.nproc)
-    reference = reference_run(layout.config, layout.overrides, world_size=layout.nproc)
+def test_layout_matches_single_process(layout: Layout, tmp_path: Path, request: pytest.FixtureRequest):
+    overrides = layout.overrides
+    if layout.hf_tokenizer:
+        overrides = {**overrides, "data.tokenizer": str(request.getfixturevalue("hf_tokenizer_dir"))}
+    run = launch(layout.config, overrides, tmp_path / "run", nproc=layout.nproc)
+    reference = reference_run(layout.config, overrides, world_size=layout.nproc)
     assert len(run.losses) == 5
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms)
@@ -94,12 +98,16 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path):
     if layout.config in (GPT, LLAMA):
         assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
     assert_start_up_table(run.stdout, layout)
-    assert_plan_matches_measured(run, layout.config, layout.overrides, world_size=layout.nproc)
+    assert_plan_matches_measured(run, layout.config, overrides, world_size=layout.nproc)
     if layout.config == LLAMA:
         # The round trip: the export, loaded by transformers alone, computes on the evaluation's
-        # fixed batches the loss the split model computed on them.
+        # fixed batches the loss the split model computed on them; its tokenizer is the run's.
         exported = AutoModelForCausalLM.from_pretrained(run.output_dir / "export", dtype=torch.float32)
         assert abs(reference.evaluate(exported) - run.records[-1]["eval_loss"]) <= LOSS_TOLERANCE
+    if layout.hf_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(run.output_dir / "export")
+        trained = AutoTokenizer.from_pretrained(request.getfixturevalue("hf_tokenizer_dir"))
+        assert tokenizer("To be, or not to be").input_ids == trained("To be, or not to be").input_ids != []
 
 
 def assert_start_up_table(log: str, layout: Layout) -> None:
