@@ -1,5 +1,8 @@
 """Llama family: transformers' `LlamaForCausalLM` as shipped (rotary positions, RMSNorm, SwiGLU MLP,
-grouped-query attention, tied or untied head), and what the engine needs around it.
+grouped-query attention, tied or untied head), and what the engine needs around it. The same
+decoder with biased query/key/value projections is transformers' `Qwen2ForCausalLM`, with an
+optional sliding attention window its `MistralForCausalLM`: `model.architecture` builds either of
+those classes instead, unforked, from the same fields.
 
 As in models/gpt.py, transformers and DeepSpeed are imported inside the functions that build or run
 a model, so config validation and the planner read the presets without importing them.
@@ -8,6 +11,7 @@ a model, so config validation and the planner read the presets without importing
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +23,7 @@ from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, Pla
 from models.tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM, PreTrainedConfig
 
 _LLAMA3 = {"vocab_size": 128256, "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
 
@@ -81,20 +85,66 @@ ARCHITECTURE_FIELDS = (
     "rope_parameters",
 )
 FIXED_FIELDS = ("head_dim", "hidden_act", "attention_bias", "mlp_bias")
+# `model.architecture`: the transformers classes built, by their model_type, which is what
+# `model.init_from` must hold and what an export's config.json names. Qwen2 always biases q, k and
+# v and has no head_dim field; this family builds it without sliding windows (use_sliding_window
+# false, as Qwen2's released checkpoints are). Mistral's window is `model.sliding_window`.
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+DEFAULT_ARCHITECTURE = "llama"
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "Llama", ARCHITECTURE_FIELDS, FIXED_FIELDS),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2", ARCHITECTURE_FIELDS, ("hidden_act", "use_sliding_window")),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        "Mistral",
+        (*ARCHITECTURE_FIELDS, "sliding_window"),
+        ("head_dim", "hidden_act"),
+    ),
+}
 # Built (by transformers partitioned under ZeRO-3: engine/parallel/zero3_init.py), loaded from
-# `model.init_from` and exported as HF's Llama checkpoints: a tied embedding stored once, as Llama
-# 3.2's are, an untied head under lm_head.weight.
+# `model.init_from` and exported as HF's checkpoints of the architecture: a tied embedding stored
+# once, as Llama 3.2's are, an untied head under lm_head.weight.
 BUILDS_PARTITIONED = True
-CHECKPOINT = HFCheckpoint(
-    model_class="LlamaForCausalLM",
-    kind="Llama",
-    config=lambda section: llama_config(architecture(section)),
-    fields=ARCHITECTURE_FIELDS,
-    fixed=FIXED_FIELDS,
-    embedding="model.embed_tokens.weight",
-)
-build, check_init_from = CHECKPOINT.build, CHECKPOINT.check_init_from
-export, load_export = CHECKPOINT.export, CHECKPOINT.load_export
+CHECKPOINTS: Mapping[str, HFCheckpoint] = {
+    name: HFCheckpoint(
+        model_class=model_class,
+        kind=kind,
+        config=lambda section: llama_config(architecture(section)),
+        fields=fields,
+        fixed=fixed,
+        embedding="model.embed_tokens.weight",
+    )
+    for name, (_, model_class, kind, fields, fixed) in _CLASSES.items()
+}
+
+
+def _checkpoint(section: Mapping[str, Any]) -> HFCheckpoint:
+    return CHECKPOINTS[common.setting(section, "architecture", DEFAULT_ARCHITECTURE)]
+
+
+def build(section: Mapping[str, Any]) -> nn.Module:
+    return _checkpoint(section).build(section)
+
+
+def check_init_from(section: Mapping[str, Any]) -> None:
+    _checkpoint(section).check_init_from(section)
+
+
+def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
+    _checkpoint(section).export(state_dict, section, out_dir)
+
+
+def load_export(path: Path) -> nn.Module:
+    """The exported model, as the class its config.json's model_type names."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+    if model_type not in CHECKPOINTS:
+        raise ValueError(f"{path} holds a {model_type!r} checkpoint, not one of {', '.join(ARCHITECTURES)}")
+    return CHECKPOINTS[model_type].load_export(path)
+
+
 # Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
 compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
 apply_activation_checkpointing = common.apply_activation_checkpointing
@@ -113,6 +163,14 @@ def _positive(description: str) -> dict[str, Any]:
 
 # The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
 MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
+    "architecture": {
+        "enum": list(ARCHITECTURES),
+        "default": DEFAULT_ARCHITECTURE,
+        "description": "transformers class built from these fields, unforked: llama (LlamaForCausalLM), qwen2 "
+        "(Qwen2ForCausalLM: biased query/key/value projections, no sliding window), mistral "
+        "(MistralForCausalLM: model.sliding_window). Exports and model.init_from checkpoints are of that "
+        "model_type.",
+    },
     "preset": {
         "enum": list(PRESETS),
         "description": "Llama shape: tiny (tests), 1B (Llama 3.2 1B), 8B (Llama 3 8B); explicit fields below "
@@ -139,6 +197,13 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
         "type": "boolean",
         "description": "Share one matrix between the token embedding and the output head (overrides the preset).",
     },
+    "sliding_window": {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "description": "Mistral only: MistralConfig's sliding_window, the most tokens each attends back over; "
+        "null (the default): full causal attention. Must be at least data.seq_len: the pipeline layers mask "
+        "causally over the whole sequence, so a shorter window would train a different model.",
+    },
     **common.decoder_schema(
         "The 1B and 8B presets assume Llama 3's 128256 tokens; the head splits as the embedding does.",
         "Dropout on the attention weights (Llama's only dropout, attention_dropout).",
@@ -147,14 +212,26 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
 
 
 def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
-    return common.decoder_architecture("llama", PRESETS, section)
+    return {
+        **common.decoder_architecture("llama", PRESETS, section),
+        "architecture": common.setting(section, "architecture", DEFAULT_ARCHITECTURE),
+        "sliding_window": section.get("sliding_window"),
+    }
 
 
-def llama_config(arch: Mapping[str, Any]) -> LlamaConfig:
-    from transformers import LlamaConfig
+def llama_config(arch: Mapping[str, Any]) -> PreTrainedConfig:
+    """The transformers config of `arch["architecture"]` (LlamaConfig, Qwen2Config or MistralConfig)."""
+    import transformers
 
+    name = arch["architecture"]
+    own = {
+        "llama": {},
+        "qwen2": {"use_sliding_window": False, "sliding_window": None},
+        "mistral": {"sliding_window": arch["sliding_window"]},
+    }[name]
     rope = {**(arch["rope_scaling"] or {"rope_type": "default"}), "rope_theta": float(arch["rope_theta"])}
-    return LlamaConfig(
+    return getattr(transformers, _CLASSES[name][0])(
+        **own,
         vocab_size=common.settled_vocabulary(arch),
         hidden_size=arch["hidden_size"],
         intermediate_size=arch["intermediate_size"],
@@ -204,9 +281,31 @@ def config_issues(
             f"{kv_heads} key/value heads do not divide num_attention_heads {heads}; each key/value head serves "
             "an equal group of query heads",
         )
+    yield from _sliding_window_issues(arch, data)
     yield from common.sequence_issues(
         data, arch["max_position_embeddings"], "max_position_embeddings", arch["vocab_size"]
     )
+
+
+def _sliding_window_issues(arch: Mapping[str, Any], data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    window, name = arch["sliding_window"], arch["architecture"]
+    if window is None:
+        return
+    if name != "mistral":
+        yield (
+            "model.sliding_window",
+            f'model.architecture "{name}" is built without a sliding window; remove it or use "mistral"',
+        )
+        return
+    seq_len = data.get("seq_len", AUTO)
+    seq_len = arch["max_position_embeddings"] if seq_len == AUTO else seq_len
+    if window < seq_len:
+        yield (
+            "model.sliding_window",
+            f"{window} is shorter than data.seq_len {seq_len}; the engine's pipeline layers mask causally over the "
+            f"whole sequence and would train a different model than MistralForCausalLM; set it to at least "
+            f"{seq_len} or null",
+        )
 
 
 def hidden_size(arch: Mapping[str, Any]) -> int:
@@ -226,10 +325,11 @@ def items_per_sample(data: Mapping[str, Any]) -> int:
 
 def flop_parameters(arch: Mapping[str, Any]) -> int:
     """N of the "6N" term, from the shape: every weight a matmul multiplies each token by, plus the
-    RMSNorm weights (as GPT's N keeps its LayerNorms). Grouped-query attention projects keys and
-    values to num_key_value_heads heads only. The token embedding is a lookup and left out; the head
-    is counted as the logits matmul it is, once, whether or not it shares the embedding's matrix (so
-    N equals GPT's convention for a tied head and torchtitan's for an untied one)."""
+    RMSNorm weights (as GPT's N keeps its LayerNorms) and Qwen2's query/key/value biases. Grouped-query
+    attention projects keys and values to num_key_value_heads heads only. The token embedding is a
+    lookup and left out; the head is counted as the logits matmul it is, once, whether or not it
+    shares the embedding's matrix (so N equals GPT's convention for a tied head and torchtitan's for
+    an untied one)."""
     hidden, inner = arch["hidden_size"], arch["intermediate_size"]
     kv_width = arch["num_key_value_heads"] * (hidden // arch["num_attention_heads"])
     per_layer = (
@@ -238,6 +338,7 @@ def flop_parameters(arch: Mapping[str, Any]) -> int:
         + hidden * hidden  # attention output projection
         + 3 * hidden * inner  # SwiGLU gate, up and down projections
         + 2 * hidden  # two RMSNorms
+        + ((hidden + 2 * kv_width) if arch.get("architecture") == "qwen2" else 0)  # q/k/v biases
     )
     final_norm = hidden
     return arch["num_hidden_layers"] * per_layer + final_norm + arch["vocab_size"] * hidden
@@ -276,7 +377,8 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
 _LAYER = "model.layers.*"
 TENSOR_PARALLEL_PLAN = TensorParallelPlan(
     # Each projection splits on head boundaries: rank r keeps query heads r*H/t.. and the key/value
-    # heads r*KV/t.. that serve exactly those query heads under grouped-query attention.
+    # heads r*KV/t.. that serve exactly those query heads under grouped-query attention (Qwen2's
+    # q/k/v biases split with their weights' rows: column-parallel layers shard a bias too).
     column={f"{_LAYER}.self_attn.{name}_proj": 1 for name in ("q", "k", "v")}
     | {f"{_LAYER}.mlp.gate_proj": 1, f"{_LAYER}.mlp.up_proj": 1},
     row=(f"{_LAYER}.self_attn.o_proj", f"{_LAYER}.mlp.down_proj"),
@@ -293,7 +395,9 @@ TENSOR_PARALLEL_PLAN = TensorParallelPlan(
 )
 
 
-PIPELINE_BLOCK_TYPE = "LlamaDecoderLayer"  # matched by search: the layer class is LlamaDecoderLayerPipe
+# A regular expression searched in class names (DeepSpeed's partition "type:"): the pipeline layer
+# class is LlamaDecoderLayerPipe whichever decoder layer it wraps.
+PIPELINE_BLOCK_TYPE = "LlamaDecoderLayer|Qwen2DecoderLayer|MistralDecoderLayer"
 
 
 def pipeline_blocks(arch: Mapping[str, Any]) -> int:
@@ -301,12 +405,14 @@ def pipeline_blocks(arch: Mapping[str, Any]) -> int:
 
 
 class LlamaDecoderLayerPipe(nn.Module):
-    """A LlamaDecoderLayer as a pipeline layer: hidden states in, hidden states out. Only that one
-    tensor crosses a stage boundary, so each layer makes what LlamaModel would have handed it: the
-    positions of the whole sequence, their rotary cos/sin (the model's own rotary module, shared by
-    every layer of a stage) and the causal mask."""
+    """A LlamaDecoderLayer (or Qwen2's, Mistral's: the same call) as a pipeline layer: hidden states
+    in, hidden states out. Only that one tensor crosses a stage boundary, so each layer makes what
+    LlamaModel would have handed it: the positions of the whole sequence, their rotary cos/sin (the
+    model's own rotary module, shared by every layer of a stage) and the causal mask. The mask is
+    the full causal one: a Mistral sliding window shorter than the sequence is refused by
+    `config_issues`."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config: LlamaConfig):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: PreTrainedConfig):
         super().__init__()
         self.layer, self.rotary, self.config = layer, rotary, config
 

@@ -1,8 +1,9 @@
 """The Llama family in one process: presets and overrides reach transformers' LlamaConfig, configs
 that cannot run are refused naming the field, the pipeline layers compute the model exactly, the
 tensor-parallel plan splits grouped-query attention on head boundaries, FLOPs match a counted
-forward, and checkpoints round-trip with transformers tensor for tensor. The launched layouts are
-in tests/launched."""
+forward, and checkpoints round-trip with transformers tensor for tensor; `model.architecture`
+builds Qwen2's and Mistral's classes from the same fields. The launched layouts are in
+tests/launched."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ from tests.unit.test_parallel_forms import run_layers
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = get_family("llama")
 TINY = {"family": "llama", "preset": "tiny", "vocab_size": 65}
+# Each `model.architecture` (a Mistral window no shorter than the sequences is allowed).
+ARCHITECTURES = [
+    {},
+    {"architecture": "qwen2"},
+    {"architecture": "mistral"},
+    {"architecture": "mistral", "sliding_window": 16},
+]
+ARCHITECTURE_IDS = ["llama", "qwen2", "mistral", "mistral-window"]
 
 
 def tiny(**overrides) -> nn.Module:
@@ -41,6 +50,31 @@ def test_tiny_builds_a_grouped_query_untied_llama():
     assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 32)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert model.training
+
+
+@pytest.mark.parametrize(
+    ("name", "model_class", "layer_class", "biased"),
+    [
+        ("llama", "LlamaForCausalLM", "LlamaDecoderLayer", False),
+        ("qwen2", "Qwen2ForCausalLM", "Qwen2DecoderLayer", True),
+        ("mistral", "MistralForCausalLM", "MistralDecoderLayer", False),
+    ],
+)
+def test_each_architecture_builds_its_transformers_class(name: str, model_class: str, layer_class: str, biased: bool):
+    model = tiny(architecture=name)
+    assert type(model).__name__ == model_class and type(model.model.layers[0]).__name__ == layer_class
+    assert model.config.model_type == name
+    attention = model.model.layers[0].self_attn
+    assert all((getattr(attention, f"{p}_proj").bias is not None) == biased for p in "qkv")
+    assert attention.o_proj.bias is None
+    assert (model.config.num_key_value_heads, model.config.hidden_size) == (2, 32)
+    assert LLAMA.model_schema["architecture"]["default"] == "llama"
+
+
+def test_mistral_takes_its_sliding_window_and_defaults_to_none():
+    assert tiny(architecture="mistral").config.sliding_window is None
+    assert tiny(architecture="mistral", sliding_window=48).config.sliding_window == 48
+    assert tiny(architecture="qwen2").config.sliding_window is None
 
 
 @pytest.mark.parametrize(("preset", "tied", "theta"), [("1B", True, 500000.0), ("8B", False, 500000.0)])
@@ -147,6 +181,13 @@ def test_the_shipped_config_validates():
             ["parallel.pipeline_parallel_size: 3 stages for a model of 2 LlamaDecoderLayer blocks"],
         ),
         (["data.seq_len=64"], 1, ["data.seq_len: 64 is longer than model.max_position_embeddings 32"]),
+        (
+            ["model.architecture=mistral", "model.sliding_window=16"],
+            1,
+            ["model.sliding_window: 16 is shorter than data.seq_len 32; the engine's pipeline layers"],
+        ),
+        (["model.sliding_window=64"], 1, ['model.sliding_window: model.architecture "llama" is built without']),
+        (["model.architecture=gemma"], 1, ["model.architecture"]),
     ],
 )
 def test_configs_that_cannot_run_are_refused_naming_the_field(
@@ -161,10 +202,11 @@ def test_configs_that_cannot_run_are_refused_naming_the_field(
 # -- Pipeline form -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=ARCHITECTURE_IDS)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_pipeline_layers_compute_the_model_exactly(tied: bool, attention: str):
-    model = tiny(tie_word_embeddings=tied, attn_implementation=attention).eval()
+def test_pipeline_layers_compute_the_model_exactly(tied: bool, attention: str, arch: dict):
+    model = tiny(tie_word_embeddings=tied, attn_implementation=attention, **arch).eval()
     tokens = torch.randint(0, 65, (2, 16))
     layers = LLAMA.pipeline.layers(model)
     assert len(layers) == LLAMA.pipeline.num_blocks(LLAMA.architecture(TINY)) + 3
@@ -196,11 +238,12 @@ def test_pipeline_loss_is_transformers_causal_lm_loss():
 # -- Tensor-parallel plan ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES[:3], ids=ARCHITECTURE_IDS[:3])
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_plan_names_modules_of_the_model(tied: bool):
+def test_the_plan_names_modules_of_the_model(tied: bool, arch: dict):
     from fnmatch import fnmatchcase
 
-    model = tiny(tie_word_embeddings=tied)
+    model = tiny(tie_word_embeddings=tied, **arch)
     plan = LLAMA.tensor_parallel
     names = [name for name, _ in model.named_modules()]
     for pattern in [*plan.column, *plan.row]:
@@ -214,11 +257,12 @@ def test_the_plan_names_modules_of_the_model(tied: bool):
     assert id(model.model.norm.weight) not in split
 
 
-def test_grouped_query_attention_splits_on_head_boundaries():
-    """Each of two ranks keeps half the query heads and the key/value heads that serve them; the
-    row-parallel output projections' partial sums add up to the unsplit attention, as the
-    tensor-parallel layers' all-reduce adds them."""
-    model = tiny(num_attention_heads=4, num_key_value_heads=2).eval()
+@pytest.mark.parametrize("arch", ARCHITECTURES[:3], ids=ARCHITECTURE_IDS[:3])
+def test_grouped_query_attention_splits_on_head_boundaries(arch: dict):
+    """Each of two ranks keeps half the query heads and the key/value heads that serve them (and
+    under Qwen2 their biases); the row-parallel output projections' partial sums add up to the
+    unsplit attention, as the tensor-parallel layers' all-reduce adds them."""
+    model = tiny(num_attention_heads=4, num_key_value_heads=2, **arch).eval()
     attention = model.model.layers[0].self_attn
     hidden = torch.randn(2, 8, 32)
     positions = torch.arange(8).unsqueeze(0)
@@ -229,9 +273,10 @@ def test_grouped_query_attention_splits_on_head_boundaries():
         for rank in range(2):
             local = copy.deepcopy(attention)
             for name in ("q_proj", "k_proj", "v_proj"):
-                getattr(local, name).weight = nn.Parameter(
-                    shard_tensor(getattr(attention, name).weight, Shard(0), rank, 2)
-                )
+                full = getattr(attention, name)
+                getattr(local, name).weight = nn.Parameter(shard_tensor(full.weight, Shard(0), rank, 2))
+                if full.bias is not None:
+                    getattr(local, name).bias = nn.Parameter(shard_tensor(full.bias, Shard(0), rank, 2))
             local.o_proj.weight = nn.Parameter(shard_tensor(attention.o_proj.weight, Shard(1), rank, 2))
             partial.append(local(hidden, position_embeddings=rotation, attention_mask=None)[0])
     torch.testing.assert_close(sum(partial), expected, rtol=1e-5, atol=1e-6)
@@ -253,17 +298,18 @@ def test_swiglu_splits_gate_and_up_by_column_and_down_by_row():
 # -- FLOPs and the planner ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES[:3], ids=ARCHITECTURE_IDS[:3])
 @pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token_match_a_counted_forward(tied: bool):
+def test_flops_per_token_match_a_counted_forward(tied: bool, arch: dict):
     """6N + attention: N from every nn.Linear a forward pass runs (q, k and v at their grouped-query
-    widths, o, gate, up, down and the head, hooked) plus the RMSNorm weights; attention over all
-    query heads."""
+    widths, o, gate, up, down and the head, hooked) plus the RMSNorm weights and Qwen2's q/k/v biases; attention
+    over all query heads."""
     seq_len = 16
-    section = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": tied}
+    section = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": tied, **arch}
     model = tiny(**section).eval()
     arch = LLAMA.architecture(section)
     linear_macs = forward_macs(model, torch.randint(0, 65, (1, seq_len))) // seq_len
-    norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight"))
+    norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("norm.weight", "bias")))
     attention = FLOPS_PER_MAC * TRAINING_PASSES * 2 * arch["num_hidden_layers"] * arch["hidden_size"] * seq_len
     expected = FLOPS_PER_MAC * TRAINING_PASSES * (linear_macs + norms) + attention
     assert LLAMA.flops_per_item(arch, {"seq_len": seq_len}) == expected
@@ -334,22 +380,45 @@ def test_init_from_refuses_another_shape_or_family(tmp_path: Path):
         LLAMA.check_init_from({**TINY, "init_from": str(tmp_path / "gpt")})
 
 
+@pytest.mark.parametrize(
+    ("arch", "model_class"),
+    [
+        ({}, "LlamaForCausalLM"),
+        ({"architecture": "qwen2"}, "Qwen2ForCausalLM"),
+        ({"architecture": "mistral", "sliding_window": 48}, "MistralForCausalLM"),
+    ],
+)
 @pytest.mark.parametrize("tied", [False, True])
-def test_export_round_trips_through_from_pretrained(tmp_path: Path, tied: bool):
+def test_export_round_trips_through_from_pretrained(tmp_path: Path, tied: bool, arch: dict, model_class: str):
     from transformers import AutoModelForCausalLM
 
-    section = {**TINY, "tie_word_embeddings": tied}
+    section = {**TINY, "tie_word_embeddings": tied, **arch}
     model = tiny(**section)
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     LLAMA.export(state, section, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     assert set(stored) == set(state) - ({"lm_head.weight"} if tied else set())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
-    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert type(loaded).__name__ == model_class
+    assert getattr(loaded.config, "sliding_window", None) == arch.get("sliding_window")
     assert loaded.state_dict().keys() == state.keys()
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, state[name]), name
-    assert type(LLAMA.load_export(tmp_path)).__name__ == "LlamaForCausalLM"
+    assert type(LLAMA.load_export(tmp_path)).__name__ == model_class
+    # The export is a model.init_from checkpoint of the same section, and of no other architecture.
+    LLAMA.check_init_from({**section, "init_from": str(tmp_path)})
+    rebuilt = LLAMA.build({**section, "init_from": str(tmp_path)}).state_dict()
+    assert all(torch.equal(rebuilt[name], tensor) for name, tensor in state.items())
+    other = {"architecture": "qwen2"} if not arch else {"architecture": "llama", "sliding_window": None}
+    with pytest.raises(ValueError, match=f"holds a '{loaded.config.model_type}' checkpoint, not a"):
+        LLAMA.check_init_from({**section, **other, "init_from": str(tmp_path)})
+
+
+def test_init_from_refuses_a_mistral_checkpoint_of_another_window(tmp_path: Path):
+    section = {**TINY, "architecture": "mistral", "sliding_window": 48}
+    LLAMA.export(tiny(**section).state_dict(), section, tmp_path)
+    with pytest.raises(ValueError, match=r"sliding_window 48 \(configured: None\); set these fields"):
+        LLAMA.check_init_from({**section, "sliding_window": None, "init_from": str(tmp_path)})
 
 
 def test_export_refuses_a_tied_head_that_differs_from_the_embedding(tmp_path: Path):
