@@ -84,7 +84,7 @@ class Trainer:
             self.hooks,
         )
         if last_saved == start_step:
-            self.checkpoints.keep_resumed(start_step)
+            self.checkpoints.keep_untrained(start_step)
         backend.finish(self.output_dir, logger.write)
         if trainer.export:
             self.export(backend, step_tag(last_saved), logger)

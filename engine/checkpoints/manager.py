@@ -122,11 +122,12 @@ class CheckpointManager:
             data_position=self._stream.state_dict() if self._stream is not None else None,
         )
 
-    def keep_resumed(self, step: int) -> None:
-        """Collective, when a resumed run trained nothing: the export reads this run's own checkpoint,
-        so a source from elsewhere or from another layout is saved here first, in this layout (a
-        conversion without training)."""
-        if self.source is not None and (self.source.path != self.root / step_tag(step) or self.reshape):
+    def keep_untrained(self, step: int) -> None:
+        """Collective, when a run trained nothing: the export reads this run's own checkpoint, so the
+        starting state is saved here first: a fresh start's weights (`trainer.max_steps: 0`, an
+        `init_from` exported unchanged), or a source from elsewhere or from another layout, in this
+        layout (a conversion without training)."""
+        if self.source is None or self.source.path != self.root / step_tag(step) or self.reshape:
             self.save(step)
 
     def latest(self) -> Path | None:

@@ -185,7 +185,7 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
     if scheduler["params"].get("warmup_max_lr") == AUTO:
         scheduler["params"]["warmup_max_lr"] = params["lr"]
     if scheduler["params"].get("total_num_steps") == AUTO:
-        scheduler["params"]["total_num_steps"] = doc["trainer"]["max_steps"]
+        scheduler["params"]["total_num_steps"] = max(1, doc["trainer"]["max_steps"])
 
 
 def _resolve_zero_buckets(zero: dict, hidden: int | None) -> None:

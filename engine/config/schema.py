@@ -552,7 +552,12 @@ _TRAINER = _object(
             "`accelerate launch`, DeepSpeed otherwise.",
             "auto",
         ),
-        "max_steps": _integer("Optimizer steps to run.", 1000, minimum=1),
+        "max_steps": _integer(
+            "Optimizer steps to run; 0 saves and exports the starting weights (model.init_from's, or a resumed "
+            "checkpoint's) without training.",
+            1000,
+            minimum=0,
+        ),
         "seed": _integer("Seeds model initialisation, data order and augmentation.", 1234, minimum=0),
         "output_dir": {
             "type": "string",

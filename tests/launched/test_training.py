@@ -13,7 +13,8 @@ import pytest
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from PIL import Image
-from transformers import GPT2LMHeadModel
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from data import load_saved_tokenizer
 from models import get_family
@@ -234,3 +235,30 @@ def test_bf16_zero0_resnet_exports_the_fp32_master_weights(tmp_path: Path):
     weights = [tensor for name, tensor in exported.items() if name.endswith("convolution.weight")]
     assert all(tensor.dtype == torch.float32 for tensor in weights)
     assert any((tensor.bfloat16().float() != tensor).any() for tensor in weights)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [0, 3], ids=["zero0", "zero3"])
+def test_an_init_from_checkpoint_trained_zero_steps_exports_unchanged(stage: int, tmp_path: Path):
+    """The round trip with nothing in between: a Llama checkpoint transformers wrote, started from
+    with `model.init_from` and `trainer.max_steps: 0`, is saved through DeepSpeed's checkpoint
+    (ZeRO-3: partitioned and gathered again) and exported tensor for tensor as it was read."""
+    torch.manual_seed(0)
+    source = tmp_path / "hf"
+    architecture = dict(get_family("llama").presets["tiny"], vocab_size=96, max_position_embeddings=32)
+    LlamaForCausalLM(LlamaConfig(**architecture)).save_pretrained(source)
+    overrides = {
+        "model.init_from": source,
+        "model.vocab_size": 96,
+        "trainer.max_steps": 0,
+        "zero_optimization.stage": stage,
+    }
+    result = run_single("configs/llama_tiny.json", overrides, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    exported, written = (
+        load_file(tmp_path / "run" / "export" / "model.safetensors"),
+        load_file(source / "model.safetensors"),
+    )
+    assert exported.keys() == written.keys()
+    for name, tensor in written.items():
+        assert torch.equal(exported[name], tensor), name
