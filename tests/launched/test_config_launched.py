@@ -62,7 +62,7 @@ def test_every_rank_prints_a_config_error(tmp_path: Path):
     rank_one = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     result = subprocess.run(
         [sys.executable, "engine/main.py", "--deepspeed_config", "configs/tiny_gpt.json"]
-        + ["--set=trainer.max_steps=0", f"--set=trainer.output_dir={tmp_path}"],
+        + ["--set=trainer.max_steps=-1", f"--set=trainer.output_dir={tmp_path}"],
         capture_output=True,
         text=True,
         cwd=ROOT,
