@@ -5,13 +5,13 @@ process group is already up (engine/session.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from data import make_eval_loader, make_train_loader
 from data.streaming import StreamedCorpus, StreamedWindows, stream_micro_batches
-from engine.backends.base import Backend, StepHooks
+from engine.backends.base import Backend, Batch, StepHooks
 from engine.backends.factory import backend_settings, build_backend
 from engine.checkpoints.export import export_model, sample_text
 from engine.checkpoints.manager import CheckpointManager
@@ -26,8 +26,6 @@ from engine.parallel.process_group import barrier, is_main_process
 from engine.prepare import Prepared
 from models import get_family
 from models.common import seed_everything
-
-Batch = Mapping[str, torch.Tensor]
 
 
 class Trainer:
