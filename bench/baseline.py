@@ -34,18 +34,21 @@ class Baseline:
     bundle: DataBundle
 
 
-def torch_loop(model: torch.nn.Module, config: EngineConfig, family: ModelFamily) -> tuple[StepFn, torch.nn.Module]:
+def torch_loop(
+    model: torch.nn.Module, config: EngineConfig, family: ModelFamily, fused: bool | None = None
+) -> tuple[StepFn, torch.nn.Module]:
     """Plain PyTorch as nanoGPT writes it: decay the matrices only (by the config's
     `trainer.weight_decay_on`), accumulate, clip, step the optimizer and the schedule, zero the
     gradients; bf16 as autocast over fp32 weights, torch's fused AdamW on a GPU, and
-    `torch.compile` when the config asks the engine to compile."""
+    `torch.compile` when the config asks the engine to compile. `fused`: the fused AdamW kernel
+    (default: on a GPU only)."""
     doc = config.document
     device = next(model.parameters()).device
     if config.compute_precision not in ("fp32", "bf16"):
         raise SystemExit(f"the torch baseline trains in fp32 or bf16 (autocast), not {config.precision}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.compute_precision == "bf16")
     groups = parameter_groups(model.parameters(), doc["optimizer"], config.trainer.weight_decay_on)
-    optimizer = build_optimizer(doc["optimizer"], groups, fused=device.type == "cuda")
+    optimizer = build_optimizer(doc["optimizer"], groups, fused=device.type == "cuda" if fused is None else fused)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, clipping = doc["gradient_accumulation_steps"], doc["gradient_clipping"]
     if config.trainer.compile:
@@ -101,13 +104,17 @@ def on_device(batches: Iterator[Batch], device: torch.device) -> Iterator[Batch]
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-def build_baseline(kind: str, config: EngineConfig, bundle: DataBundle, device: torch.device) -> Baseline:
-    """The `kind` ("torch" or "deepspeed") loop on the engine's resolved config and data."""
+def build_baseline(
+    kind: str, config: EngineConfig, bundle: DataBundle, device: torch.device, fused: bool | None = None
+) -> Baseline:
+    """The `kind` ("torch" or "deepspeed") loop on the engine's resolved config and data; `fused`
+    as `torch_loop` takes it."""
     family = get_family(config.model.family)
     trainer, doc = config.trainer, config.document
     # The engine seeds right before it builds the model, so both start from the same weights.
     seed_everything(trainer.seed)
-    step, model = LOOPS[kind](family.build(config.model.fields).to(device).train(), config, family)
+    options = {"fused": fused} if kind == "torch" else {}  # DeepSpeed's optimizer follows the config
+    step, model = LOOPS[kind](family.build(config.model.fields).to(device).train(), config, family, **options)
     batches = make_train_loader(
         bundle.train,
         micro_batch_size=doc["train_micro_batch_size_per_gpu"],

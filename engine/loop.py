@@ -1,8 +1,9 @@
 """The training loop: fetch a batch, forward, backward, step, check, log, evaluate, checkpoint.
 
-Everything below works on values that stay on the device. The loop touches the host once per step,
-for the non-finite check (a 2-element all-reduce: it must end a bad run before that step is saved),
-and otherwise only at log and eval points (one all-reduce each).
+Everything below works on values that stay on the device: a step that does not log, evaluate or
+save never waits for the device. The non-finite check is read at those points, before anything of a
+bad step is logged or saved (engine/failures/nonfinite.py), except where the policy must decide at
+every step ("skip", fp16's loss scaler).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import Backend, StepHooks
-from engine.failures.nonfinite import NonfiniteGuard, NonfinitePolicy, step_health
+from engine.failures.nonfinite import SKIP, DeferredHealth, NonfiniteGuard, NonfinitePolicy, step_health
 from engine.observability.flops import achieved_flops_per_device, mfu
 from engine.observability.memory import rank_memory
 from engine.observability.metrics import MetricsLogger
@@ -61,6 +62,7 @@ def train(
     step, saved = start_step, start_step
     window_start, window_steps = time.perf_counter(), 0
     guard = NonfiniteGuard(settings.nonfinite)
+    deferred = None if every_step_decides(backend, settings) else DeferredHealth(backend.device)
     while step < settings.max_steps:
         lr = backend.learning_rate()
         hooks.before_step(step + 1)
@@ -72,10 +74,18 @@ def train(
         loss = backend.train_step(batches, PhaseTimer(backend.device) if logged else None)
         step += 1
         window_steps += 1
-        health = step_health(loss, update_dropped=backend.skipped_steps() > skipped_before)
-        note = guard.check(step, health, backend.loss_scale())
-        if note is not None:
-            logger.write(note)
+        dropped = backend.skipped_steps() > skipped_before
+        save_due = step == settings.max_steps or (settings.save_interval and step % settings.save_interval == 0)
+        if deferred is None:
+            note = guard.check(step, step_health(loss, update_dropped=dropped), backend.loss_scale())
+            if note is not None:
+                logger.write(note)
+        else:
+            deferred.record(step, loss, backend.nonfinite_gradients(), dropped)
+            if logged or save_due:
+                first_bad = deferred.read()
+                if first_bad is not None:
+                    guard.check(*first_bad, loss_scale=None)
         hooks.after_step(step)
 
         if logged:
@@ -94,17 +104,23 @@ def train(
                 record["ranks"] = ranks
             logger.log(record)
             window_start, window_steps = time.perf_counter(), 0
-        if step == settings.max_steps or (settings.save_interval and step % settings.save_interval == 0):
+        if save_due:
             save(step)
             saved = step
     return saved
 
 
+def every_step_decides(backend: Backend, settings: LoopSettings) -> bool:
+    """Whether the non-finite policy needs each step's health before the next step: "skip" counts
+    every dropped step against its limit, and fp16's overflows are reported as they happen."""
+    return settings.nonfinite.action == SKIP or backend.loss_scale() is not None
+
+
 def step_metrics(backend: Backend, settings: LoopSettings, elapsed: float, steps: int) -> dict:
     """Speed over the steps since the last log, and the last step's norm, phases and loss scale.
 
-    The window's wall time includes the synchronised phases of its last step (see
-    engine/observability/step_phases.py), so throughput stays the honest average over the window."""
+    The window ends at the log point's loss all-reduce, which waits for the device, so throughput
+    is the honest average over the window's steps."""
     items_per_s = settings.items_per_step * steps / elapsed
     metrics = {
         settings.throughput_key: items_per_s,

@@ -13,6 +13,7 @@ from data import make_eval_loader, make_train_loader
 from data.streaming import StreamedCorpus, StreamedWindows, stream_micro_batches
 from engine.backends.base import Backend, Batch, StepHooks
 from engine.backends.factory import backend_settings, build_backend
+from engine.backends.prefetch import DevicePrefetcher
 from engine.checkpoints.export import export_model, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
@@ -73,7 +74,7 @@ class Trainer:
         last_saved = train(
             backend,
             self.family,
-            self.train_batches(dp_rank, start_step, stream),
+            self.train_batches(dp_rank, start_step, stream, backend.input_dtype),
             lambda: self.eval_batches(dp_rank),
             loop_settings,
             logger,
@@ -108,13 +109,17 @@ class Trainer:
             peak_flops=None if trainer.peak_tflops is None else trainer.peak_tflops * 1e12,
         )
 
-    def train_batches(self, dp_rank: int, start_step: int, stream: StreamedWindows | None) -> Iterator[Batch]:
-        """This rank's micro-batches from `start_step` on: the sampler's arithmetic, or a stream's position."""
+    def train_batches(
+        self, dp_rank: int, start_step: int, stream: StreamedWindows | None, dtype: torch.dtype
+    ) -> Iterator[Batch]:
+        """This rank's micro-batches from `start_step` on: the sampler's arithmetic, each on its way to
+        the device while the step before trains (`DevicePrefetcher`); or a stream's position, which
+        counts what was taken from the stream, so a stream's batches move only when taken."""
         config = self.config
         micro_batch = config.document["train_micro_batch_size_per_gpu"]
         if stream is not None:
             return stream_micro_batches(stream, micro_batch)
-        return make_train_loader(
+        loader = make_train_loader(
             self.data.train,
             micro_batch_size=micro_batch,
             grad_accum=config.document["gradient_accumulation_steps"],
@@ -125,6 +130,7 @@ class Trainer:
             num_workers=config.data.num_workers,
             pin_memory=config.data.pin_memory,
         )
+        return DevicePrefetcher(iter(loader), self.device, dtype)
 
     def eval_batches(self, dp_rank: int) -> Iterable[Batch]:
         """This rank's validation batches, afresh for each evaluation."""
@@ -155,6 +161,8 @@ class Trainer:
             + (", compiled (torch.compile)" if backend.compiled else "")
             + (f", resuming at step {start_step}" if start_step else "")
         )
+        if config.rerouted:
+            logger.write(f"one rank, nothing to shard: {config.rerouted} (trainer.single_rank_fast_path)")
         if self.prepared.saved_layout is not None:
             saved, now = self.prepared.saved_layout.describe(), self.prepared.layout.describe()
             if self.prepared.reshape:

@@ -133,6 +133,27 @@ def decoder_architecture(
     }
 
 
+# transformers' SDPA attention under a name of the engine's own. Under "sdpa" transformers builds the
+# causal mask itself before every forward, and to learn whether the inputs pack several sequences it
+# reads their position ids back from the device (`find_packed_sequence_indices`): one host sync per
+# forward, outside torch.compile. Under a name it has no mask function for, it builds no mask and
+# SDPA masks causally (`is_causal`), the very kernel "sdpa" reaches for unpadded, unpacked windows,
+# which are the only ones the engine's data makes. The name is not saved with a checkpoint.
+CAUSAL_SDPA = "engine_causal_sdpa"
+
+
+def transformers_attention(name: str) -> str:
+    """The `attn_implementation` a model is built with for `model.attn_implementation` `name`."""
+    if name != "sdpa":
+        return name
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if CAUSAL_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
+
+
 def settled_vocabulary(arch: Mapping[str, Any]) -> int:
     """The vocabulary size a model is built with, refused while still "auto"."""
     vocab_size = arch["vocab_size"]
@@ -145,9 +166,13 @@ def settled_vocabulary(arch: Mapping[str, Any]) -> int:
 
 
 def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss over every position: the labels arrive already one token on."""
+    """Mean next-token loss over every position: the labels arrive already one token on.
+
+    The model computes it in its own forward (transformers' `ForCausalLMLoss`, `pipeline_loss`'s
+    arithmetic), so that a compiled model compiles the loss with it and never writes fp32 logits."""
+    labels = batch["labels"].contiguous()
     # No KV cache: training never decodes, and the cache would cost memory on every forward.
-    return pipeline_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
+    return model(input_ids=batch["input_ids"], labels=labels, shift_labels=labels, use_cache=False).loss
 
 
 def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -271,6 +296,9 @@ class HFCheckpoint:
             model = load_pretrained(self.transformers_class(), Path(init_from), config)
         if section.get("activation_checkpointing", False):
             apply_activation_checkpointing(model)
+        # The loss `compute_loss` has the model compute; GPT2LMHeadModel's class name names none, and
+        # transformers would warn before falling back to this same one.
+        model.loss_type = "ForCausalLM"
         return model
 
     def check_init_from(self, section: Mapping[str, Any]) -> None:

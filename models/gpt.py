@@ -91,7 +91,7 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
         bos_token_id=end_of_text,
         eos_token_id=end_of_text,
         tie_word_embeddings=True,
-        attn_implementation=arch["attn_implementation"],
+        attn_implementation=common.transformers_attention(arch["attn_implementation"]),
     )
 
 

@@ -249,7 +249,7 @@ def llama_config(arch: Mapping[str, Any]) -> PreTrainedConfig:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        attn_implementation=arch["attn_implementation"],
+        attn_implementation=common.transformers_attention(arch["attn_implementation"]),
     )
 
 

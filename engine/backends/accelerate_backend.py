@@ -85,6 +85,7 @@ class AccelerateBackend(Backend):
         )
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
         self._skipped = 0
+        self._skips_nonfinite = settings.nonfinite == "skip"
         self._norm: torch.Tensor | None = None
         self._check_wrapper()
         self.state_watch = StepWatch(
@@ -149,11 +150,12 @@ class AccelerateBackend(Backend):
                     (loss / self._accumulation).backward()
             loss_sum += loss.detach().float()
         with self.phase("step"):
-            # The same test DeepSpeed's optimizers make, at the same cost (a host sync per step): a NaN/inf
-            # gradient never reaches the weights, the optimizer's moments or the LR schedule, whatever
-            # trainer.nonfinite says; the loop reads skipped_steps and applies the policy.
             self._norm = self._gradient_norm()
-            if torch.isfinite(self._norm):
+            # Under "skip", the test DeepSpeed's optimizers make, at the same cost (a host sync per
+            # step): a NaN/inf gradient never reaches the weights, the optimizer's moments or the LR
+            # schedule. Under "stop" the step goes ahead and the loop reads `nonfinite_gradients`
+            # before anything of it is saved.
+            if not self._skips_nonfinite or torch.isfinite(self._norm):
                 self.optimizer.step()
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -164,6 +166,9 @@ class AccelerateBackend(Backend):
 
     def grad_norm(self) -> float | None:
         return None if self._norm is None else float(self._norm)
+
+    def nonfinite_gradients(self) -> torch.Tensor | None:
+        return None if self._norm is None else ~torch.isfinite(self._norm)
 
     def _gradient_norm(self) -> torch.Tensor:
         """The gradients' global norm, clipping them to gradient_clipping on the way when that is set.

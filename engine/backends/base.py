@@ -69,6 +69,7 @@ class BackendSettings:
     pipeline_activation_checkpoint_interval: int
     hooks: StepHooks
     compile: bool  # trainer.compile
+    nonfinite: str  # trainer.nonfinite: "stop" or "skip"
     grid: PipelineParallelGrid | None = None
 
     @property
@@ -86,6 +87,8 @@ class Backend(ABC):
     """
 
     device: torch.device
+    # What floating inputs are cast to on the device (`to_device`): the weights' dtype.
+    input_dtype: torch.dtype = torch.float32
     hooks: StepHooks
     # Counts model-state bytes at the optimizer step of timed steps (engine/observability/memory.py).
     state_watch: StepWatch
@@ -129,6 +132,12 @@ class Backend(ABC):
         """Updates the optimizer has dropped so far because a gradient was NaN or inf (an fp16
         overflow among them), leaving the weights and the LR schedule as they were. The same on every
         rank: the test runs on gradients already reduced over the ranks."""
+
+    def nonfinite_gradients(self) -> torch.Tensor | None:
+        """Whether the last step's gradients held a NaN or inf, as a bool on the device (no host
+        sync), where the backend has their norm at hand; None where it has not (DeepSpeed's ZeRO and
+        mixed-precision optimizers test them themselves and count what they drop in `skipped_steps`)."""
+        return None
 
     @abstractmethod
     def loss_scale(self) -> float | None:

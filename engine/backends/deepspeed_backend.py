@@ -27,6 +27,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
+from engine.backends.zero_checks import defer_norm_checks
 from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
@@ -200,6 +201,15 @@ class DeepSpeedEngineBackend(Backend):
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
+    def nonfinite_gradients(self) -> torch.Tensor | None:
+        # fp32 ZeRO-0's clipping norm (`_clip_fp32_gradients`), or the norm the ZeRO-1/2 optimizer
+        # keeps on the device (a float where it found an overflow itself: that step is counted in
+        # `skipped_steps`); DeepSpeed marks a non-finite group norm with -1.
+        norm = self._norm if self._untracked_norm else getattr(self.engine.optimizer, "_global_grad_norm", None)
+        if not isinstance(norm, torch.Tensor):
+            return None
+        return ~torch.isfinite(norm) | (norm < 0)
+
     def _track_norm(self) -> None:
         # fp32 ZeRO-0 steps a bare torch optimizer, which reports no norm to the engine: the backend
         # computes it on the steps the loop logs, before the step clips and zeroes the gradients.
@@ -254,6 +264,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._trainable = [names[id(parameter)] for group in groups for parameter in group["params"]]
         self._names = tensor_names(model)
         self._aliases = tied_aliases(model)
+        defer_norm_checks(settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=groups,

@@ -50,6 +50,7 @@ def backend_settings(
         pipeline_activation_checkpoint_interval=config.parallel.pipeline_activation_checkpoint_interval,
         hooks=hooks,
         compile=config.trainer.compile,
+        nonfinite=config.trainer.nonfinite,
     )
 
 

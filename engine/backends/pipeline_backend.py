@@ -26,6 +26,7 @@ from engine.backends.base import BackendSettings, Batch, to_device
 from engine.backends.deepspeed_backend import DeepSpeedEngineBackend
 from engine.backends.optim import parameter_groups
 from engine.backends.pipeline_timeline import PipelineEvent, RankTimeline, step_breakdown, write_pipeline_timeline
+from engine.backends.zero_checks import defer_norm_checks
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
 
 # The event kind (engine/backends/pipeline_timeline.py) of each instruction DeepSpeed's schedules issue.
@@ -138,6 +139,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
         )
         self.grid = self.module.mpu()
         count_in_norm_once(self.module, self.grid.get_slice_parallel_rank())
+        defer_norm_checks(settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
             model_parameters=parameter_groups(

@@ -36,6 +36,8 @@ class EngineConfig:
     document: dict[str, Any]
     world_size: int
     source: Path | None = field(default=None, compare=False)
+    # What `trainer.single_rank_fast_path` changed, as the start-up log names it ("" where nothing).
+    rerouted: str = field(default="", compare=False)
 
     @cached_property
     def model(self) -> ModelSection:
@@ -101,7 +103,7 @@ class EngineConfig:
         degree = self.parallel.tensor_parallel_size
         document = copy.deepcopy(self.document)
         document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
-        return EngineConfig(document, self.world_size, self.source)
+        return EngineConfig(document, self.world_size, self.source, self.rerouted)
 
 
 def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | None = None) -> EngineConfig:
@@ -110,6 +112,7 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     doc = copy.deepcopy(document)
     _resolve_batch(doc, world_size)
     _resolve_precision(doc, hardware)
+    rerouted = _single_rank_route(doc, world_size)
     _resolve_optimizer(doc, hardware)
     family = get_family(doc["model"]["family"])
     architecture = family.architecture(doc["model"])
@@ -142,7 +145,7 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         config = EngineConfig(doc, world_size, source)
         peak = device_peak_flops(hardware.name, config.compute_precision)
         trainer["peak_tflops"] = None if peak is None else peak / 1e12
-    return EngineConfig(doc, world_size, source)
+    return EngineConfig(doc, world_size, source, rerouted)
 
 
 def _resolve_batch(doc: dict, world_size: int) -> None:
@@ -168,9 +171,38 @@ def _resolve_precision(doc: dict, hardware: Hardware) -> None:
         doc["fp16"]["enabled"] = (
             not autocast and hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
         )
+    if doc["bf16"]["check_grad_overflow"] == AUTO:
+        doc["bf16"]["check_grad_overflow"] = doc["trainer"]["nonfinite"] == "skip"
     if doc["data_types"]["buffer_dtype"] == AUTO:
         mixed = "bf16" if doc["bf16"]["enabled"] else "fp16" if doc["fp16"]["enabled"] else None
         doc["data_types"]["buffer_dtype"] = mixed
+
+
+def _single_rank_route(doc: dict, world_size: int) -> str:
+    """`trainer.single_rank_fast_path`: on one DeepSpeed rank with nothing offloaded, ZeRO stage 0 and
+    torch_autocast in place of bf16. Returns what it changed, for the start-up log.
+
+    The arithmetic is the same where it can be: Adam on fp32 masters, the same clipping; under bf16
+    the products are bf16 either way, and autocast keeps the rest (norms, softmax, residuals) in fp32
+    where DeepSpeed's bf16 runs them in bf16. Measured in docs/benchmarks.md (hostcost, optimizer)."""
+    zero = doc["zero_optimization"]
+    offloaded = zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
+    # "skip" needs DeepSpeed's ZeRO or mixed-precision optimizer, which drops an update with NaN gradients.
+    skip = doc["trainer"]["nonfinite"] == "skip"
+    if not doc["trainer"]["single_rank_fast_path"] or world_size != 1 or offloaded or skip:
+        return ""
+    if effective_backend(doc["trainer"]["backend"]) != "deepspeed":
+        return ""
+    changes = []
+    if zero["stage"] != 0:
+        changes.append(f"zero_optimization.stage {zero['stage']} runs as 0")
+        zero["stage"] = 0
+    if doc["bf16"]["enabled"]:
+        changes.append("bf16 runs as torch_autocast (fp32 weights, bf16 products)")
+        doc["bf16"]["enabled"] = False
+        doc["torch_autocast"]["enabled"] = True
+        doc["data_types"]["buffer_dtype"] = None
+    return "; ".join(changes)
 
 
 def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:

@@ -392,6 +392,12 @@ def check_nonfinite(document: dict, world_size: int, hardware: Hardware | None) 
     if document["trainer"]["nonfinite"] != "skip" or effective_backend(document["trainer"]["backend"]) != "deepspeed":
         return
     mixed = document["fp16"]["enabled"] is True or document["bf16"]["enabled"] is True
+    if document["bf16"]["enabled"] is not False and document["bf16"]["check_grad_overflow"] is False:
+        yield ConfigIssue(
+            "bf16.check_grad_overflow",
+            "false lets DeepSpeed's bf16 optimizer apply an update with NaN/inf gradients, which trainer.nonfinite "
+            '"skip" needs dropped; leave it "auto" (true under "skip")',
+        )
     if document["zero_optimization"]["stage"] == 0 and not mixed:
         yield ConfigIssue(
             "trainer.nonfinite",

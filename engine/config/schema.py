@@ -208,7 +208,34 @@ _FP16 = _object(
 
 _BF16 = _object(
     "Mixed precision with bf16 weights and fp32 master weights.",
-    {"enabled": _boolean('"auto": on where the device supports bf16 (GPUs with it), off on CPU.', False, auto=True)},
+    {
+        "enabled": _boolean('"auto": on where the device supports bf16 (GPUs with it), off on CPU.', False, auto=True),
+        "check_grad_overflow": _boolean(
+            "Whether DeepSpeed's ZeRO optimizer tests the gradients for NaN/inf before each update and drops it: "
+            'a host read of the device at every step. "auto": only under trainer.nonfinite "skip", which needs the '
+            'drop; under "stop" the engine\'s own check, read at log, evaluation and save points, stops the run '
+            "before a bad step is saved (docs/failures.md).",
+            AUTO,
+            auto=True,
+        ),
+    },
+    default={},
+)
+
+_TIMERS = _object(
+    "DeepSpeed's timers.",
+    {
+        "throughput": _object(
+            "DeepSpeed's throughput timer (samples/s in its progress lines). It synchronises the device at the "
+            "start and end of every forward when synchronized, so the engine turns it off: its own metrics time "
+            "the steps it logs.",
+            {
+                "enabled": _boolean("Run the throughput timer.", False),
+                "synchronized": _boolean("Synchronise the device around each timed forward.", True),
+            },
+            default={},
+        )
+    },
     default={},
 )
 
@@ -377,7 +404,10 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "steps_per_print": _integer(
         "DeepSpeed's own progress lines; the engine logs on its own, so this is rare by default.", 1000, minimum=1
     ),
-    "wall_clock_breakdown": _boolean("DeepSpeed's forward/backward/step timers in its logs.", False),
+    "wall_clock_breakdown": _boolean(
+        "DeepSpeed's forward/backward/step timers in its logs (each synchronises the device).", False
+    ),
+    "timers": _TIMERS,
     "tensorboard": _TENSORBOARD,
     "csv_monitor": _CSV_MONITOR,
     "wandb": _WANDB,
@@ -630,6 +660,14 @@ _TRAINER = _object(
             "FSDP unit (a GPT's or Llama's transformer blocks, a ResNet's four stages) before DDP or FSDP wraps it, as "
             "torchtitan does. The first steps pay the compilation.",
             False,
+        ),
+        "single_rank_fast_path": _boolean(
+            "On one rank under DeepSpeed, with nothing offloaded, run what costs least for the same training: "
+            "zero_optimization.stage 0 (ZeRO's partitioning, buckets and flattened copies buy nothing on one rank) "
+            "and torch_autocast in place of bf16 (fp32 weights stepped by fused Adam, products in bf16, instead of "
+            "DeepSpeed's bf16 wrapper and its per-tensor master copies). The start-up log names what it changed; "
+            "resolved_config.json holds what ran. false: run the stage and precision as written.",
+            True,
         ),
         "weight_decay_on": _enum(
             ["matrices", "all"],

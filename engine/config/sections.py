@@ -110,6 +110,7 @@ class TrainerSection:
     peak_tflops: float | None
     comm_timeout_s: float
     compile: bool
+    single_rank_fast_path: bool
     weight_decay_on: str
     threads_per_rank: int
 

@@ -6,11 +6,16 @@ on, the weights and the LR schedule as they were, until more than `trainer.max_s
 been skipped.
 
 Dropping the update is the optimizer's job, not the loop's: DeepSpeed's ZeRO and mixed-precision
-optimizers test the gradients before every update and drop it when one is not finite (fp16's loss
-scaler lives on this), and the accelerate backend runs the same test itself. The loop only learns,
-once per step, whether any rank's loss was not finite and whether the update was dropped, and
-applies the policy. Under fp16 a dropped update with a finite loss is the loss scaler backing off,
-not a failure: it is counted and reported, and never stops a run.
+optimizers can test the gradients before every update and drop it when one is not finite (fp16's
+loss scaler lives on this), and the accelerate backend runs the same test itself under "skip".
+Under fp16 a dropped update with a finite loss is the loss scaler backing off, not a failure: it is
+counted and reported, and never stops a run.
+
+"skip" and fp16 decide at every step (`step_health`: one small all-reduce and a host read), since
+the next step must know whether this one counted. "stop" needs no decision until something would
+leave the process: `DeferredHealth` keeps the first bad step on the device, and the loop reads it
+before each log, evaluation and save, so no step pays a host sync for it and the step named is
+still the first bad one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.parallel.process_group import all_reduce_sum
+from engine.parallel.process_group import all_gather_rows, all_reduce_sum
 
 STOP, SKIP = "stop", "skip"
 
@@ -56,6 +61,45 @@ def step_health(loss: torch.Tensor, update_dropped: bool) -> StepHealth:
     }
     sums = all_reduce_sum(flags)
     return StepHealth(int(sums["nonfinite_loss"]), sums["update_dropped"] > 0)
+
+
+class DeferredHealth:
+    """The first step since the run began whose loss (per rank) or gradients were not finite, kept
+    on the device; and the first whose update the optimizer dropped, which DeepSpeed counts on the
+    host anyway (`engine.skipped_steps`, after its own read of the gradients' norm)."""
+
+    def __init__(self, device: torch.device):
+        self._first_bad_loss = torch.zeros((), dtype=torch.int64, device=device)
+        self._first_bad_gradients = torch.zeros((), dtype=torch.int64, device=device)
+        self._first_dropped = 0
+
+    def record(self, step: int, loss: torch.Tensor, bad_gradients: torch.Tensor | None, dropped: bool) -> None:
+        """No host sync: three element-wise kernels on scalars."""
+        bad_loss = ~torch.isfinite(loss.detach())
+        self._first_bad_loss.masked_fill_(bad_loss & (self._first_bad_loss == 0), step)
+        if bad_gradients is not None:
+            self._first_bad_gradients.masked_fill_(bad_gradients & (self._first_bad_gradients == 0), step)
+        if dropped and not self._first_dropped:
+            self._first_dropped = step
+
+    def read(self) -> tuple[int, StepHealth] | None:
+        """Collective: the first bad step over every rank and its health, None while all are clean.
+        One small all-gather and one host read."""
+        local = torch.stack(
+            [
+                self._first_bad_loss,
+                self._first_bad_gradients,
+                torch.tensor(self._first_dropped, dtype=torch.int64, device=self._first_bad_loss.device),
+            ]
+        )
+        ranks = [[int(value) for value in row] for row in all_gather_rows(local)]
+        bad = [value for row in ranks for value in row if value]
+        if not bad:
+            return None
+        first = min(bad)
+        loss_ranks = sum(row[0] == first for row in ranks)
+        dropped = any(first in (row[1], row[2]) for row in ranks)
+        return first, StepHealth(loss_ranks, dropped)
 
 
 class NonfiniteGuard:

@@ -89,6 +89,15 @@ def all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, float]:
     return dict(zip(keys, stacked.tolist(), strict=True))
 
 
+def all_gather_rows(row: torch.Tensor) -> list[list[float]]:
+    """Every rank's 1-d `row`, in rank order, on every rank: one collective and one host read."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [row.tolist()]
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, row)
+    return torch.stack(rows).tolist()
+
+
 def gather_to_main(value: Any) -> list[Any] | None:
     """Every rank's `value` on rank 0, in rank order (None elsewhere): a pickled gather, for the few
     small per-rank reports of a logged step."""

@@ -33,6 +33,8 @@ def resumed_from(
         return launch(config, overrides, output_dir, nproc=nproc)
     if accelerate:
         overrides["trainer.backend"] = "accelerate"
+    # The ZeRO stage asked for is the loader under test, even on one process.
+    overrides["trainer.single_rank_fast_path"] = False
     result = run_single(config, overrides, output_dir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_run(output_dir, result.stdout)

@@ -229,6 +229,7 @@ def test_bf16_zero0_resnet_exports_the_fp32_master_weights(tmp_path: Path):
     """bf16 on CPU is allowed (never chosen by "auto"): BatchNorm statistics follow the training
     dtype, and the export holds the fp32 masters, not upcast bf16 weights."""
     overrides = {"bf16.enabled": True, "zero_optimization.stage": 0, "trainer.max_steps": 2}
+    overrides["trainer.single_rank_fast_path"] = False  # bf16 as written, not torch_autocast
     result = run_single("configs/tiny_resnet.json", overrides, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     exported = read_run(tmp_path).exported_state_dict()
@@ -252,6 +253,7 @@ def test_an_init_from_checkpoint_trained_zero_steps_exports_unchanged(stage: int
         "model.vocab_size": 96,
         "trainer.max_steps": 0,
         "zero_optimization.stage": stage,
+        "trainer.single_rank_fast_path": False,  # the stage as written: ZeRO-3's partitioned save
     }
     result = run_single("configs/llama_tiny.json", overrides, tmp_path / "run")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

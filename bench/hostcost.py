@@ -1,0 +1,202 @@
+"""Benchmark 8: what a step costs the host, layout by layout: host reads of the device, aten
+operations and graph breaks, the engine beside a minimal PyTorch loop.
+
+A step that reads the device makes the host wait for the GPU, and a GPU whose host waits idles
+between kernels: on an H200 that was the engine's fixed 18-20 ms a step over a compiled loop
+(docs/benchmarks.md, gpu). The reads, the operations and the graph breaks happen on the CPU too, so
+they are counted here (bench/host_syncs.py) on GPT-2 124M's 148 tensors at width 64, with
+`torch_adam` false so that the optimizer wrapper counted is the one a GPU runs. Layouts of more than
+one data-parallel rank run on 2 ranks, so that DeepSpeed's ZeRO wrappers and DDP/FSDP2 are the ones
+counted; the loop runs in the one-rank layouts. Host time per step is the median of the uncounted
+quiet steps (on a CPU, compute is host time too).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.host_syncs import WARMUP_STEPS
+from bench.machine import machine_facts
+from bench.results import Goal, Panel, Result, compare
+from bench.settings import Settings
+from bench.trials import ROOT, RUNS
+from engine.parallel.process_group import free_port
+
+CONFIG = ROOT / "configs" / "gpt2_124m.json"
+STEPS, LOG_INTERVAL = 14, 7
+COMMON = [
+    "data.type=synthetic",
+    "model.n_embd=64",
+    "model.n_head=4",
+    "model.vocab_size=256",
+    "data.seq_len=32",
+    "train_micro_batch_size_per_gpu=1",
+    "gradient_accumulation_steps=1",
+    "train_batch_size=auto",
+    "scheduler.params.warmup_num_steps=2",
+    "optimizer.params.torch_adam=false",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.log_interval={LOG_INTERVAL}",
+    "trainer.eval_interval=0",
+    "trainer.eval_batches=1",
+    "trainer.save_interval=0",
+    "trainer.threads_per_rank=1",
+    "trainer.export=false",
+    "trainer.plots=false",
+    "trainer.progress_bar=false",
+    "trainer.sample_tokens=0",
+]
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    overrides: tuple[str, ...]
+    processes: int = 1
+    loop: bool = False  # count the minimal loop beside it (one-rank layouts)
+    compiled: bool = False
+
+
+LAYOUTS = (
+    Layout("ZeRO-0 fp32", ("zero_optimization.stage=0",), loop=True),
+    Layout("ZeRO-0 torch_autocast", ("zero_optimization.stage=0", "torch_autocast.enabled=true"), loop=True),
+    Layout("ZeRO-2 bf16, one rank", ("zero_optimization.stage=2", "bf16.enabled=true")),
+    Layout(
+        "ZeRO-0 bf16, fast path off",
+        ("zero_optimization.stage=0", "bf16.enabled=true", "trainer.single_rank_fast_path=false"),
+    ),
+    Layout("ZeRO-1 fp32", ("zero_optimization.stage=1",), processes=2),
+    Layout("ZeRO-2 bf16", ("zero_optimization.stage=2", "bf16.enabled=true"), processes=2),
+    Layout("ZeRO-3 fp32", ("zero_optimization.stage=3",), processes=2),
+    Layout(
+        "pipeline 2 stages",
+        ("zero_optimization.stage=1", "parallel.pipeline_parallel_size=2", "gradient_accumulation_steps=2"),
+        processes=2,
+    ),
+    Layout("accelerate DDP", ("trainer.backend=accelerate", "zero_optimization.stage=0"), processes=2),
+    Layout("accelerate FSDP2", ("trainer.backend=accelerate", "zero_optimization.stage=3"), processes=2),
+    Layout("ZeRO-0 fp32 compiled", ("zero_optimization.stage=0", "trainer.compile=true"), loop=True, compiled=True),
+    Layout(
+        "accelerate DDP compiled",
+        ("trainer.backend=accelerate", "zero_optimization.stage=0", "trainer.compile=true"),
+        processes=2,
+        compiled=True,
+    ),
+    Layout("ZeRO-1 fp32, nonfinite skip", ("zero_optimization.stage=1", "trainer.nonfinite=skip")),
+)
+
+
+def count(layout: Layout, run_dir: Path) -> list[dict]:
+    """Each rank's counts for `layout`."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    out = run_dir / "counts-{rank}.json"
+    arguments = ["--config", str(CONFIG), "--out", str(out)] + (["--loop"] if layout.loop else [])
+    overrides = [*COMMON, *layout.overrides, f"trainer.output_dir={run_dir}"]
+    arguments += [arg for value in overrides for arg in ("--set", value)]
+    if layout.processes == 1:
+        command = [sys.executable, "-m", "bench.host_syncs", *arguments]
+    else:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(layout.processes)]
+        launcher += ["--master_port", str(free_port())]
+        command = [sys.executable, *launcher, "-m", "bench.host_syncs", *arguments]
+    log = run_dir / "trial.log"
+    with log.open("w") as stream:
+        code = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
+        raise RuntimeError(f"{layout.name}: exited {code}; log {log}:\n{tail}")
+    return [json.loads(Path(str(out).format(rank=rank)).read_text()) for rank in range(layout.processes)]
+
+
+def run(settings: Settings) -> Result:
+    rows, failures, series = [], {}, {"engine": ([], []), "loop": ([], [])}
+    engine_syncs, loop_syncs, breaks, ops_ratio = 0.0, 0.0, 0, None
+    for index, layout in enumerate(LAYOUTS):
+        try:
+            ranks = count(layout, RUNS / "hostcost" / f"layout-{index}")
+        except RuntimeError as error:
+            failures[layout.name] = str(error)
+            continue
+        # The rank that reads the device most, and its operations.
+        worst = max(ranks, key=lambda rank: rank["engine"]["syncs_per_step"])
+        engine = worst["engine"]
+        engine_syncs = max(engine_syncs, engine["syncs_per_step"])
+        breaks += max(rank["graph_breaks"] for rank in ranks) if layout.compiled else 0
+        kinds = ", ".join(f"{kind} {value:g}" for kind, value in sorted(engine["syncs_by_kind"].items())) or "none"
+        print(
+            f"  {layout.name}: syncs/step {engine['syncs_per_step']:g} ({kinds}), aten ops/step "
+            f"{engine['operations_per_step']:.0f}, ms/step {1e3 * engine['seconds_per_step']:.2f}"
+            + (f", graph breaks {worst['graph_breaks']}" if layout.compiled else ""),
+            flush=True,
+        )
+        series["engine"][0].append(index)
+        series["engine"][1].append(engine["syncs_per_step"])
+        if "loop" in worst:
+            loop = worst["loop"]
+            loop_syncs = max(loop_syncs, loop["syncs_per_step"])
+            series["loop"][0].append(index)
+            series["loop"][1].append(loop["syncs_per_step"])
+            ratio = engine["operations_per_step"] / loop["operations_per_step"]
+            goal = Goal("ratio", "<=", 1.1) if layout.name == "ZeRO-0 fp32" else None
+            if layout.name == "ZeRO-0 fp32":
+                ops_ratio = ratio
+            rows.append(
+                compare(
+                    f"{layout.name}: aten ops per step",
+                    loop["operations_per_step"],
+                    engine["operations_per_step"],
+                    goal,
+                )
+            )
+            rows.append(
+                compare(
+                    f"{layout.name}: host ms per step", 1e3 * loop["seconds_per_step"], 1e3 * engine["seconds_per_step"]
+                )
+            )
+        rows.append(
+            compare(
+                f"{layout.name}: host reads of the device per step",
+                1.0,
+                engine["syncs_per_step"],
+                Goal("engine", "<=", 0) if "skip" not in layout.name else None,
+                ratio=engine["syncs_per_step"],
+            )
+        )
+    rows.append(compare("graph breaks in the compiled steps", 1.0, breaks, Goal("engine", "<=", 0), ratio=breaks))
+    ratio_text = "n/a" if ops_ratio is None else f"{ops_ratio:.3f}"
+    print(
+        f"hostcost: engine syncs/step {engine_syncs:g} (loop {loop_syncs:g}), aten ops ratio {ratio_text}, "
+        f"graph breaks {breaks}",
+        flush=True,
+    )
+    return Result(
+        name="hostcost",
+        title="Host cost of a step: device reads, aten operations and graph breaks",
+        baseline="minimal PyTorch loop",
+        method=(
+            f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}: GPT-2 124M's 148 tensors at width 64. Per layout, "
+            f"one run of {STEPS} steps (2 ranks where the layout has more than one data-parallel rank or stage); the "
+            f"steps after the first {WARMUP_STEPS} that neither log, evaluate nor save are alternately counted "
+            "(bench/host_syncs.py: scalar reads, tolist/cpu/numpy, synchronize, aten operations) and timed. The "
+            "minimal loop (bench/baseline.py) runs the same config in the same process after the engine, in the "
+            "one-rank layouts. Graph breaks are dynamo's count over the whole compiled run. The nonfinite-skip "
+            "row is the one policy that reads the device every step (no goal)."
+        ),
+        rows=rows,
+        panels=[
+            Panel(
+                title="hostcost: host reads of the device per quiet step, by layout",
+                xlabel="layout (row order)",
+                ylabel="reads per step",
+                series=series,
+            )
+        ],
+        machine=machine_facts(1),
+        failures=failures,
+    )
