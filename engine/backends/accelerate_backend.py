@@ -72,6 +72,11 @@ class AccelerateBackend(Backend):
             # compiled graph, and DDP's and FSDP2's hooks stay outside it.
             for unit in family.shard_units(model):
                 unit.compile()
+            if hasattr(model, "loss_function"):
+                # transformers' loss, which the model computes in its forward (models/common.py
+                # compute_loss): compiled, its fp32 upcast and cross-entropy fuse instead of
+                # writing fp32 logits.
+                model.loss_function = torch.compile(model.loss_function)
             self.compiled = True
         if self.wrapper == "ddp":
             self.model = self.accelerator.prepare_model(model)

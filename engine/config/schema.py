@@ -658,7 +658,8 @@ _TRAINER = _object(
             "Compile the model with torch.compile (inductor). DeepSpeed compiles it through its engine's "
             "`compile()` (each stage's layers under pipeline parallelism); the accelerate backend compiles each "
             "FSDP unit (a GPT's or Llama's transformer blocks, a ResNet's four stages) before DDP or FSDP wraps it, as "
-            "torchtitan does. The first steps pay the compilation.",
+            "torchtitan does, and transformers' loss function. A decoder computes its loss in its forward, so "
+            "DeepSpeed's whole-module compile holds it. The first steps pay the compilation.",
             False,
         ),
         "single_rank_fast_path": _boolean(
