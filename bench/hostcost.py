@@ -209,7 +209,8 @@ def run(settings: Settings) -> Result:
             "a compiled run dispatch eagerly under the counter, so their operations are not the compiled "
             "graph's). Rows of reads compare with one read per step, so their ratio is the reads; rows of ms "
             "without a loop beside them have no baseline (the engine in both columns). The nonfinite-skip row "
-            "is the one policy that reads the device every step (no goal; its cost is its ms against the row before it). "
+            "is the one policy that reads the device every step (no goal; its cost is its ms against the row "
+            "before it). "
             "DeepSpeed's FusedAdam on the CPU is one C++ call outside the dispatcher, as torch's fused AdamW "
             "is one operation per parameter group in the loop."
         ),
