@@ -64,8 +64,8 @@ class ModelFamily:
     Throughput: `items_per_sample(data)` items (tokens, images) in one sample, reported as
     `throughput_key`; `flops_per_item(architecture, data)` model FLOPs to train on one item
     (models/costs.py), `architecture` with its vocabulary settled.
-    Sizes the engine settles "auto" from: `hidden_size(architecture)` the model width (ZeRO's bucket
-    sizes, as HF's Trainer sizes them), `context_length(architecture)` the longest sequence it takes
+    Sizes the engine settles "auto" from: `hidden_size(architecture)` the model width (ZeRO-3's
+    persistence threshold, as HF's Trainer sizes it), `context_length(architecture)` the longest sequence it takes
     (`data.seq_len`); None where the family has none.
     Planner: `plan_activations(shape)` estimates activations and the tensors stages and
     tensor-parallel layers send; `suggests_checkpointing`: `plan --suggest` tries

@@ -22,8 +22,8 @@ from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware, device_peak_flops
 from models import get_family
 
-# DeepSpeed's own values where the model does not suggest better ones.
-_REDUCE_BUCKET_DEFAULT = 500_000_000
+# Megatron-LM's smallest gradient bucket; DeepSpeed's ZeRO-3 prefetch and persistence defaults.
+_REDUCE_BUCKET_FLOOR = 40_000_000
 _PREFETCH_BUCKET_DEFAULT = 50_000_000
 _PERSISTENCE_THRESHOLD_DEFAULT = 100_000
 
@@ -116,7 +116,9 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     _resolve_optimizer(doc, hardware)
     family = get_family(doc["model"]["family"])
     architecture = family.architecture(doc["model"])
-    _resolve_zero_buckets(doc["zero_optimization"], family.hidden_size(architecture))
+    _resolve_zero_buckets(
+        doc["zero_optimization"], family.hidden_size(architecture), data_parallel_size(doc, world_size)
+    )
     if doc["gradient_clipping"] == AUTO:
         doc["gradient_clipping"] = 1.0
     if doc["data"]["seq_len"] == AUTO:
@@ -220,11 +222,16 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
         scheduler["params"]["total_num_steps"] = max(1, doc["trainer"]["max_steps"])
 
 
-def _resolve_zero_buckets(zero: dict, hidden: int | None) -> None:
-    """Bucket sizes from the model width, as HF Trainer sizes them; DeepSpeed's defaults otherwise."""
+def _resolve_zero_buckets(zero: dict, hidden: int | None, data_parallel: int) -> None:
+    """ZeRO's buckets at Megatron-LM's size, never smaller than a tensor of GPT-2 124M's: a gradient
+    bucket of max(40M, 1M x data-parallel ranks) elements (Megatron's `bucket_size`), and ZeRO-3
+    prefetching DeepSpeed's 5e7. HF's n_embd^2 bucket (589,824 for GPT-2 124M) is smaller than every
+    matrix of the model, so ZeRO-2 reduced one tensor per collective: 102 all-reduces a step on two
+    ranks, against 6 at 40M (docs/design.md). Parameters under 10 x the width stay whole under
+    ZeRO-3, as HF sizes them: each would cost a gather for a few kB."""
     defaults = {
-        "reduce_bucket_size": hidden * hidden if hidden else _REDUCE_BUCKET_DEFAULT,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden) if hidden else _PREFETCH_BUCKET_DEFAULT,
+        "reduce_bucket_size": max(_REDUCE_BUCKET_FLOOR, 1_000_000 * data_parallel),
+        "stage3_prefetch_bucket_size": _PREFETCH_BUCKET_DEFAULT,
         "stage3_param_persistence_threshold": 10 * hidden if hidden else _PERSISTENCE_THRESHOLD_DEFAULT,
     }
     for key, value in defaults.items():

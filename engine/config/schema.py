@@ -304,12 +304,15 @@ _ZERO = _object(
         "reduce_scatter": _boolean("Reduce gradients with reduce-scatter instead of all-reduce.", True),
         "allgather_partitions": _boolean("All-gather updated partitions instead of broadcasts.", True),
         "reduce_bucket_size": _integer(
-            'Elements reduced at a time; "auto": hidden size squared (GPT), else 5e8.', AUTO, minimum=1, auto=True
+            'Elements reduced at a time; "auto": Megatron-LM\'s bucket, max(4e7, 1e6 x data-parallel ranks).',
+            AUTO,
+            minimum=1,
+            auto=True,
         ),
         "allgather_bucket_size": _integer("Elements all-gathered at a time.", 500_000_000, minimum=1),
         "round_robin_gradients": _boolean("Stage 1/2: spread gradient copies over ranks round-robin.", False),
         "stage3_prefetch_bucket_size": _integer(
-            'Stage 3: elements prefetched ahead; "auto": 0.9 x hidden size squared (GPT), else 5e7.',
+            'Stage 3: elements prefetched ahead; "auto": DeepSpeed\'s 5e7.',
             AUTO,
             minimum=0,
             auto=True,

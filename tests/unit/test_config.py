@@ -412,7 +412,8 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["optimizer"]["params"]["torch_adam"] is True
     assert on_cpu["scheduler"]["params"]["total_num_steps"] == 77
     assert on_cpu["scheduler"]["params"]["warmup_max_lr"] == on_cpu["optimizer"]["params"]["lr"]
-    assert on_cpu["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    assert on_cpu["zero_optimization"]["reduce_bucket_size"] == 40_000_000  # Megatron's floor
+    assert on_cpu["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
     assert on_cpu["zero_optimization"]["stage3_param_persistence_threshold"] == 320
     assert on_cpu["data"]["seq_len"] == 64
     assert on_cpu["trainer"]["threads_per_rank"] == 1
