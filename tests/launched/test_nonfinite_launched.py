@@ -95,3 +95,26 @@ def test_stop_ends_the_job_before_the_nan_step_is_saved(tmp_path: Path):
     checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["latest", "step00000002"]
     assert [record["step"] for record in read_run(tmp_path).records] == [1, 2]
+
+
+@pytest.mark.launch
+def test_stop_read_at_the_next_save_names_the_nan_step_under_zero2_bf16(tmp_path: Path):
+    """Nothing reads the device between log and save points under "stop": ZeRO-2's norm reads are
+    deferred (engine/backends/zero_checks.py) and bf16's overflow check is off, so step 3's NaN
+    reaches the weights. The check read before step 4's save still names step 3, and nothing of
+    steps 3 and 4 is saved or logged."""
+    overrides = {
+        "trainer.max_steps": 6,
+        "trainer.save_interval": 2,
+        "trainer.log_interval": 5,
+        "trainer.export": False,
+        "zero_optimization.stage": 2,
+        "bf16.enabled": True,
+    }
+    result = launch_with_nan_at_step_3("deepspeed", overrides, tmp_path)
+    assert result.returncode != 0
+    assert "failed: NonFiniteError: step 3: non-finite loss on 1 rank(s)" in result.stderr, result.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(path.name for path in checkpoints.glob("step*")) == ["step00000002"]
+    assert (checkpoints / "latest").read_text().strip() == "step00000002"
+    assert not (tmp_path / "metrics.jsonl").exists() or read_run(tmp_path).records == []
