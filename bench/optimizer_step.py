@@ -36,6 +36,8 @@ COMMON = [
     "gradient_accumulation_steps=1",
     "train_batch_size=1",
     "scheduler.params.warmup_num_steps=2",
+    # bf16 as written: on one rank the engine would otherwise run it as torch_autocast.
+    "trainer.single_rank_fast_path=false",
 ]
 ROUTES = {
     "bf16": ["bf16.enabled=true", "torch_autocast.enabled=false"],

@@ -12,7 +12,7 @@ import pytest
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import data, gpu, memory, nanogpt, optimizer_step, shakespeare, throughput
+from bench import data, gpu, hostcost, memory, nanogpt, optimizer_step, shakespeare, throughput
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.trials import Pair, Side, run_overrides
 from engine.config import load_config
@@ -40,6 +40,12 @@ LAUNCHED = [
             id=f"optimizer-{route}",
         )
         for route, sets in optimizer_step.ROUTES.items()
+    ),
+    *(
+        pytest.param(
+            hostcost.CONFIG, [*hostcost.COMMON, *layout.overrides], layout.processes, id=f"hostcost-{layout.name}"
+        )
+        for layout in hostcost.LAYOUTS
     ),
     *(
         pytest.param(
