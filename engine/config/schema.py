@@ -209,7 +209,13 @@ _FP16 = _object(
 _BF16 = _object(
     "Mixed precision with bf16 weights and fp32 master weights.",
     {
-        "enabled": _boolean('"auto": on where the device supports bf16 (GPUs with it), off on CPU.', False, auto=True),
+        "enabled": _boolean(
+            '"auto": on where the device supports bf16 (GPUs with it), off on CPU; at ZeRO stage 0 on DeepSpeed\'s '
+            "whole-model engine it picks torch_autocast instead (DeepSpeed's bf16 wrapper without ZeRO reads every "
+            "gradient back to the host at each step).",
+            False,
+            auto=True,
+        ),
         "check_grad_overflow": _boolean(
             "Whether DeepSpeed's ZeRO optimizer tests the gradients for NaN/inf before each update and drops it: "
             'a host read of the device at every step. "auto": only under trainer.nonfinite "skip", which needs the '

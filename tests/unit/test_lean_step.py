@@ -170,3 +170,18 @@ def test_phases_sum_over_micro_batches_and_cpu_batches_pass_through():
     prefetched = list(DevicePrefetcher(batches, torch.device("cpu"), torch.bfloat16))
     assert len(prefetched) == 2 and prefetched[0]["pixels"].dtype == torch.bfloat16
     assert prefetched[0]["input_ids"].dtype == torch.long
+
+
+def test_bf16_auto_autocasts_where_deepspeed_would_wrap_it_without_zero():
+    gpus = Hardware("cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=2, name="H100")
+    two = ["bf16.enabled=auto", "train_batch_size=auto"]
+
+    def precision(extra: list[str]) -> tuple[bool, bool]:
+        config = load_config(GPT_CONFIG, [*two, *extra], world_size=2, hardware=gpus)
+        return config.document["bf16"]["enabled"], config.autocast
+
+    assert precision(["zero_optimization.stage=0"]) == (False, True)
+    assert precision(["zero_optimization.stage=1"]) == (True, False)
+    assert precision(["zero_optimization.stage=1", "parallel.pipeline_parallel_size=2"]) == (True, False)
+    assert precision(["zero_optimization.stage=0", "trainer.backend=accelerate"]) == (True, False)
+    assert precision(["zero_optimization.stage=0", "bf16.enabled=true"]) == (True, False)  # as written
