@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.launch import launch, launch_accelerate
+from bench import hostcost
+from tests.support.launch import ROOT, launch, launch_accelerate
 
 
 @pytest.mark.gpu
@@ -66,3 +70,20 @@ def test_fp16_overflows_are_skipped_by_the_loss_scaler_and_reported(tmp_path: Pa
     assert "fp16 gradient overflow, update skipped by the loss scaler" in run.stdout
     assert all(torch.isfinite(torch.tensor(run.losses)))
     assert all(torch.isfinite(tensor).all() for tensor in run.exported_state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [0, 2], ids=["zero0", "zero2"])
+def test_a_quiet_step_never_reads_the_gpu(stage: int, tmp_path: Path):
+    """Benchmark 8's count where it matters: on a GPU, with bf16 "auto", the side-stream prefetch and
+    DeepSpeed's fused Adam, a step that neither logs, evaluates nor saves reads nothing back."""
+    out = tmp_path / "counts-{rank}.json"
+    overrides = [*hostcost.COMMON, "bf16.enabled=auto", f"zero_optimization.stage={stage}"]
+    overrides += ["optimizer.params.torch_adam=auto", f"trainer.output_dir={tmp_path / 'run'}"]
+    command = [sys.executable, "-m", "bench.host_syncs", "--config", str(hostcost.CONFIG), "--out", str(out)]
+    command += [arg for value in overrides for arg in ("--set", value)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    counts = json.loads((tmp_path / "counts-0.json").read_text())["engine"]
+    assert counts["counted_steps"] > 0 and counts["syncs_per_step"] == 0, counts
