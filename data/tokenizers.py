@@ -1,7 +1,9 @@
 """Tokenizers behind one small interface, so text loading never asks which kind it holds.
 
 "char" and "byte" need no files and no download, which keeps the quick run offline; any
-local Hugging Face tokenizer directory covers everything else.
+local Hugging Face tokenizer directory covers everything else. Saved, every kind loads with
+`AutoTokenizer.from_pretrained` too: char and byte write a transformers fast tokenizer beside
+their own file.
 """
 
 import hashlib
@@ -88,6 +90,12 @@ class CharTokenizer:
 
     def save(self, directory: Path) -> None:
         _write_simple_config(directory, {"type": "char", "vocab": self._chars})
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        backend = Tokenizer(models.WordLevel({char: i for i, char in enumerate(self._chars)}, unk_token=None))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
+        backend.decoder = decoders.Fuse()
+        _save_for_transformers(directory, backend)
 
     @property
     def fingerprint(self) -> str:
@@ -118,6 +126,20 @@ class ByteTokenizer:
 
     def save(self, directory: Path) -> None:
         _write_simple_config(directory, {"type": "byte"})
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        # GPT-2's printable stand-in for each byte, so that the vocabulary holds all 256 as text.
+        stand_in = bytes_to_unicode()
+        backend = Tokenizer(models.WordLevel({stand_in[byte]: byte for byte in range(256)}, unk_token=None))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        _save_for_transformers(directory, backend)
 
     @property
     def fingerprint(self) -> str:
@@ -207,6 +229,15 @@ def load_saved_tokenizer(directory: Path) -> Tokenizer:
     if directory.is_dir():
         return HFTokenizer(directory)
     raise ValueError(f"no saved tokenizer at {directory}: the directory does not exist")
+
+
+def _save_for_transformers(directory: Path, backend: object) -> None:
+    """The same tokenizer as a transformers fast tokenizer (tokenizer.json, tokenizer_config.json),
+    so that `AutoTokenizer.from_pretrained` of an export gives the ids the model was trained on.
+    No special tokens: the char and byte vocabularies have none, and every id is a character or byte."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(str(directory))
 
 
 def _write_simple_config(directory: Path, config: dict) -> None:

@@ -139,18 +139,23 @@ def _torchvision_resnet(arch: Mapping[str, Any]) -> nn.Module:
 
 
 def _transformers_resnet(arch: Mapping[str, Any]) -> nn.Module:
+    from transformers import ResNetForImageClassification
+
+    return ResNetForImageClassification(_transformers_config(arch))
+
+
+def _transformers_config(arch: Mapping[str, Any]) -> Any:
     """transformers' defaults already match torchvision's ResNet v1.5: stride in the 3x3
     convolution, no downsampling in the first stage."""
-    from transformers import ResNetConfig, ResNetForImageClassification
+    from transformers import ResNetConfig
 
     expansion = _EXPANSION[arch["block"]]
-    config = ResNetConfig(
+    return ResNetConfig(
         layer_type=arch["block"],
         depths=list(arch["depths"]),
         hidden_sizes=[width * expansion for width in _STAGE_WIDTHS],
         num_labels=arch["num_classes"],
     )
-    return ResNetForImageClassification(config)
 
 
 def _from_transformers(model: nn.Module) -> bool:
@@ -234,7 +239,9 @@ def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
 
 def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
     """`model.safetensors`, loadable by `load_state_dict` of the recorded implementation's ResNet,
-    and `export.json` naming that implementation, preset and classifier width."""
+    and `export.json` naming that implementation, preset and classifier width; for transformers'
+    implementation also its `config.json`, so that `ResNetForImageClassification.from_pretrained`
+    (or `AutoModelForImageClassification`) loads the export as it is."""
     arch = architecture(section)
     with torch.device("meta"):
         expected = build_module(arch).state_dict()
@@ -248,6 +255,8 @@ def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], o
         "implementation": arch["implementation"],
     }
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    if arch["implementation"] == "transformers":
+        _transformers_config(arch).save_pretrained(out_dir)
 
 
 def load_export(path: Path) -> nn.Module:

@@ -322,6 +322,19 @@ def test_saved_tokenizers_load_back_identical(spec, tmp_path, hf_tokenizer_dir):
     assert loaded.fingerprint == tokenizer.fingerprint
 
 
+@pytest.mark.parametrize("spec", ["char", "byte", "hf"])
+def test_saved_tokenizers_load_with_transformers_autotokenizer(spec, tmp_path, hf_tokenizer_dir):
+    """What a user of the export reaches for first: the same ids, the same text back, the same size."""
+    from transformers import AutoTokenizer
+
+    tokenizer = load_tokenizer(str(hf_tokenizer_dir) if spec == "hf" else spec, training_text=SAMPLE_TEXT)
+    tokenizer.save(tmp_path / "saved")
+    auto = AutoTokenizer.from_pretrained(tmp_path / "saved", local_files_only=True)
+    ids = auto.encode(SAMPLE_TEXT, add_special_tokens=False)
+    assert ids == tokenizer.encode(SAMPLE_TEXT) and auto.decode(ids) == SAMPLE_TEXT
+    assert len(auto) == tokenizer.vocab_size and auto.eos_token_id == tokenizer.eos_id
+
+
 def test_a_char_vocabulary_built_from_other_characters_has_another_fingerprint():
     """Same size, other characters: the ids mean other tokens, which a resume must not mix."""
     built = load_tokenizer("char", training_text="abcd").fingerprint

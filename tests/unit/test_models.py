@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
+from transformers import AutoModelForImageClassification, GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
 
 from models import FAMILIES, ModelFamily, count_parameters, get_family
 from models.gpt import gpt2_config
@@ -317,6 +317,29 @@ def test_gpt_export_loads_back_with_identical_logits(tmp_path: Path, embedding_k
             torch.testing.assert_close(loaded(input_ids=input_ids).logits, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_an_export_with_the_engines_own_tokenizer_generates_through_transformers_pipeline(
+    family: str, kind: str, tmp_path: Path
+):
+    """The export as transformers' users load it: `pipeline("text-generation", model=dir)` finds the
+    model and the tokenizer beside it, and what it generates decodes with the engine's tokenizer."""
+    from transformers import pipeline
+
+    from data.tokenizers import load_tokenizer
+
+    text = "The king hath spoken; the realm obeys."
+    tokenizer = load_tokenizer(kind, training_text=text)
+    decoder = get_family(family)
+    section = {"family": family, "preset": "tiny", "vocab_size": tokenizer.vocab_size}
+    decoder.export(seeded_build(decoder, section).state_dict(), section, tmp_path)
+    tokenizer.save(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    generated = generator("The king", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert generated.startswith("The king") and len(generated) > len("The king")
+    assert tokenizer.decode(tokenizer.encode(generated)) == generated
+
+
 def test_gpt_export_refuses_a_state_dict_of_another_model(tmp_path: Path):
     state_dict = {f"module.{key}": value for key, value in trained_gpt().state_dict().items()}
     with pytest.raises(ValueError, match="missing"):
@@ -369,7 +392,11 @@ def test_resnet_export_loads_back_with_identical_logits(tmp_path: Path):
     with torch.no_grad():
         expected = model(pixel_values).logits
         assert torch.isfinite(expected).all()
-        for loaded in (RESNET.load_export(tmp_path), plain.eval()):
+        for loaded in (
+            RESNET.load_export(tmp_path),
+            plain.eval(),
+            AutoModelForImageClassification.from_pretrained(tmp_path),
+        ):
             torch.testing.assert_close(loaded(pixel_values).logits, expected, rtol=0, atol=0)
 
 
