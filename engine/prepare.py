@@ -5,6 +5,7 @@ needs from the data, the checkpoint to resume and the weights to start from. A f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,8 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         resume = resume_target(config.trainer.resume, config.trainer.output_path)
         check_steps_left(resume, config.trainer.max_steps)
         saved = read_layout(resume.path) if resume else None
+        if saved is not None and config.rerouted and saved.zero_stage != config.zero_stage:
+            config = keep_configured_stage(config_path, overrides, hardware, resume, saved)
         if resume is not None:
             others = [tag for tag in reversed(published_tags(resume.root)) if tag != resume.tag]
             check_intact(resume.path, saved, others)
@@ -162,6 +165,22 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
     return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
+
+
+def keep_configured_stage(
+    config_path: str, overrides: list[str], hardware: Hardware, resume: CheckpointRef, saved: SavedLayout
+) -> EngineConfig:
+    """The config as written, for a one-rank resume of a checkpoint saved under ZeRO-1/2/3: DeepSpeed
+    loads such a checkpoint into a ZeRO stage only (its universal form holds partitioned optimizer
+    states), so `trainer.single_rank_fast_path` must not turn the stage into 0."""
+    config = load_config(
+        config_path, [*overrides, "trainer.single_rank_fast_path=false"], world_size=env_world_size(), hardware=hardware
+    )
+    reason = (
+        f"one rank, but checkpoint {resume.path} was saved under ZeRO-{saved.zero_stage}, which loads into a "
+        "ZeRO stage only: the stage and precision stay as configured"
+    )
+    return dataclasses.replace(config, rerouted=reason)
 
 
 def check_steps_left(resume: CheckpointRef | None, max_steps: int) -> None:

@@ -162,7 +162,7 @@ class Trainer:
             + (f", resuming at step {start_step}" if start_step else "")
         )
         if config.rerouted:
-            logger.write(f"one rank, nothing to shard: {config.rerouted} (trainer.single_rank_fast_path)")
+            logger.write(f"{config.rerouted} (trainer.single_rank_fast_path)")
         if self.prepared.saved_layout is not None:
             saved, now = self.prepared.saved_layout.describe(), self.prepared.layout.describe()
             if self.prepared.reshape:

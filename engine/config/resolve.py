@@ -219,7 +219,7 @@ def _single_rank_route(doc: dict, world_size: int) -> str:
         doc["bf16"]["enabled"] = False
         doc["torch_autocast"]["enabled"] = True
         doc["data_types"]["buffer_dtype"] = None
-    return "; ".join(changes)
+    return "one rank, nothing to shard: " + "; ".join(changes) if changes else ""
 
 
 def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:

@@ -134,7 +134,8 @@ def test_one_rank_runs_zero0_and_autocast_where_nothing_is_sharded():
     config = resolved(["zero_optimization.stage=2", "bf16.enabled=true"])
     assert config.zero_stage == 0 and config.autocast and config.precision == "fp32"
     assert config.rerouted == (
-        "zero_optimization.stage 2 runs as 0; bf16 runs as torch_autocast (fp32 weights, bf16 products)"
+        "one rank, nothing to shard: zero_optimization.stage 2 runs as 0; bf16 runs as torch_autocast (fp32 "
+        "weights, bf16 products)"
     )
     kept = {
         "asked off": (["trainer.single_rank_fast_path=false"], 1),
