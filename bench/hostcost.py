@@ -14,27 +14,22 @@ quiet steps (on a CPU, compute is host time too).
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.host_syncs import WARMUP_STEPS
 from bench.machine import machine_facts
+from bench.optimizer_step import SMALL_GPT2
 from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS
+from bench.trials import ROOT, RUNS, run_logged
 from engine.parallel.process_group import free_port
 
 CONFIG = ROOT / "configs" / "gpt2_124m.json"
 STEPS, LOG_INTERVAL = 14, 7
 COMMON = [
-    "data.type=synthetic",
-    "model.n_embd=64",
-    "model.n_head=4",
-    "model.vocab_size=256",
-    "data.seq_len=32",
+    *SMALL_GPT2,
     "train_micro_batch_size_per_gpu=1",
     "gradient_accumulation_steps=1",
     "train_batch_size=auto",
@@ -109,24 +104,15 @@ LAYOUTS = (
 
 def count(layout: Layout, run_dir: Path) -> list[dict]:
     """Each rank's counts for `layout`."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
     out = run_dir / "counts-{rank}.json"
-    arguments = ["--config", str(CONFIG), "--out", str(out)] + (["--loop"] if layout.loop else [])
-    overrides = [*COMMON, *layout.overrides, f"trainer.output_dir={run_dir}"]
-    arguments += [arg for value in overrides for arg in ("--set", value)]
-    if layout.processes == 1:
-        command = [sys.executable, "-m", "bench.host_syncs", *arguments]
-    else:
+    module = ["-m", "bench.host_syncs", "--config", str(CONFIG), "--out", str(out)] + (
+        ["--loop"] if layout.loop else []
+    )
+    launcher = []
+    if layout.processes > 1:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(layout.processes)]
         launcher += ["--master_port", str(free_port())]
-        command = [sys.executable, *launcher, "-m", "bench.host_syncs", *arguments]
-    log = run_dir / "trial.log"
-    with log.open("w") as stream:
-        code = subprocess.run(command, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
-        raise RuntimeError(f"{layout.name}: exited {code}; log {log}:\n{tail}")
+    run_logged([sys.executable, *launcher, *module], [*COMMON, *layout.overrides], run_dir)
     return [json.loads(Path(str(out).format(rank=rank)).read_text()) for rank in range(layout.processes)]
 
 

@@ -63,7 +63,7 @@ def run_overrides(steps: int, log_interval: int, eval_batches: int, threads: int
 
 def paired_trial(kind: str, config: Path, overrides: list[str], run_dir: Path) -> Pair:
     """The engine and the `kind` baseline ("torch" or "deepspeed"), step for step in one process."""
-    _run([sys.executable, "-m", "bench.paired", kind, "--config", str(config)], overrides, run_dir)
+    run_logged([sys.executable, "-m", "bench.paired", kind, "--config", str(config)], overrides, run_dir)
     return read_pair(run_dir)
 
 
@@ -94,11 +94,13 @@ def read_pair(run_dir: Path) -> Pair:
 def launch_engine(config: Path, overrides: list[str], run_dir: Path, processes: int) -> list[dict]:
     """The engine under the `deepspeed` launcher with `processes` local ranks; its metrics records."""
     launcher = ["deepspeed", "--num_gpus", str(processes), "--master_port", str(free_port())]
-    _run([*launcher, "engine/main.py", "--deepspeed_config", str(config)], overrides, run_dir)
+    run_logged([*launcher, "engine/main.py", "--deepspeed_config", str(config)], overrides, run_dir)
     return read_records(run_dir)
 
 
-def _run(command: list[str], overrides: list[str], run_dir: Path) -> None:
+def run_logged(command: list[str], overrides: list[str], run_dir: Path) -> None:
+    """`command` with `overrides` and the output directory as `--set` arguments, in a fresh `run_dir`,
+    its output in `run_dir/trial.log`; raises with the log's tail if it fails."""
     # A fresh directory: the engine would otherwise find the last trial's metrics and checkpoints.
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
