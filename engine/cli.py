@@ -35,19 +35,42 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    """What launchers start (`engine/main.py`): the arguments DeepSpeed scripts pass, then one rank's run."""
+def train_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments DeepSpeed scripts and HF's Trainer pass: the config as `--deepspeed_config CONFIG`
+    or as HF's `--deepspeed CONFIG` (a bare `--deepspeed`, DeepSpeed's own flag, is accepted too);
+    `args.config` is the one given."""
     parser = argparse.ArgumentParser(prog="engine/main.py", description="Train from one JSON config.")
-    parser.add_argument("--deepspeed_config", required=True, metavar="CONFIG", help="the engine config (JSON)")
+    parser.add_argument("--deepspeed_config", metavar="CONFIG", help="the engine config (JSON)")
+    parser.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CONFIG",
+        help="HF Trainer's spelling of --deepspeed_config; bare, DeepSpeed scripts' flag (ignored)",
+    )
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; LOCAL_RANK wins")
-    parser.add_argument("--deepspeed", action="store_true", help="accepted for compatibility with DeepSpeed scripts")
     _add_overrides(parser)
     args = parser.parse_args(argv)
+    hf_config = args.deepspeed if isinstance(args.deepspeed, str) else None
+    if hf_config is not None and args.deepspeed_config is not None and hf_config != args.deepspeed_config:
+        parser.error(
+            f"--deepspeed names {hf_config} and --deepspeed_config names {args.deepspeed_config}; give the config once"
+        )
+    args.config = args.deepspeed_config or hf_config
+    if args.config is None:
+        parser.error("no config: give it as --deepspeed_config CONFIG (or HF's --deepspeed CONFIG)")
+    return args
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """What launchers start (`engine/main.py`): the arguments DeepSpeed scripts pass, then one rank's run."""
+    args = train_arguments(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from engine.session import run
 
-    return run(args.deepspeed_config, args.overrides)
+    return run(args.config, args.overrides)
 
 
 def _validate(args: argparse.Namespace) -> int:
