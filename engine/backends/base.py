@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.config.rules import offloads
 from engine.observability.memory import StepWatch
 from engine.observability.step_phases import PhaseTimer
 from engine.parallel.layout import ParallelLayout
@@ -74,8 +75,7 @@ class BackendSettings:
 
     @property
     def offloads(self) -> bool:
-        zero = self.deepspeed_config["zero_optimization"]
-        return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
+        return offloads(self.deepspeed_config["zero_optimization"])
 
 
 class Backend(ABC):

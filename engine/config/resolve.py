@@ -15,7 +15,7 @@ from typing import Any
 
 from data.tokens.cache import default_cache_dir
 from engine.config.batch import solve_batch_triple
-from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, data_parallel_size
+from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, data_parallel_size, offloads
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
 from engine.launch.detect import effective_backend
@@ -203,7 +203,7 @@ def _single_rank_route(doc: dict, world_size: int) -> str:
     the products are bf16 either way, and autocast keeps the rest (norms, softmax, residuals) in fp32
     where DeepSpeed's bf16 runs them in bf16. Measured in docs/benchmarks.md (hostcost, optimizer)."""
     zero = doc["zero_optimization"]
-    offloaded = zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
+    offloaded = offloads(zero)
     # "skip" needs DeepSpeed's ZeRO or mixed-precision optimizer, which drops an update with NaN gradients.
     skip = doc["trainer"]["nonfinite"] == "skip"
     if not doc["trainer"]["single_rank_fast_path"] or world_size != 1 or offloaded or skip:

@@ -48,6 +48,11 @@ def check_parallel_layout(document: dict, world_size: int, hardware: Hardware | 
         )
 
 
+def offloads(zero: dict) -> bool:
+    """Whether a `zero_optimization` section moves parameters or optimizer states to the host or NVMe."""
+    return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
+
+
 def auto_bf16(document: dict, hardware: Hardware) -> bool:
     """What bf16.enabled "auto" resolves to: bf16 on a CUDA device that has it, unless torch_autocast
     is the mixed precision asked for."""
