@@ -16,6 +16,7 @@ from data.text import load_text_dataset
 from data.tokenizers import Tokenizer, load_saved_tokenizer
 from data.tokens.blend import load_token_datasets
 from data.tokens.external import TokenFile
+from data.transforms import ImageTransform
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -50,6 +51,11 @@ class DataBundle:
     """Images and synthetic images."""
     token_files: list[TokenFile] = field(default_factory=list)
     """data.type "tokens": the files read, whose ids the model's vocabulary must cover."""
+    class_names: list[str] | None = None
+    """Images: each label's name; the export's labels, so a prediction names its class."""
+    image_transform: ImageTransform | None = None
+    """Images: the evaluation transform, saved with the export as a transformers image processor
+    so the export preprocesses an image as evaluation did. Synthetic images, already pixels, have none."""
 
 
 def build_datasets(
@@ -154,7 +160,15 @@ def _image_bundle(data_cfg: Mapping[str, Any], seed: int) -> DataBundle:
         validation_fraction=data_cfg["validation_fraction"],
         seed=seed,
     )
-    return DataBundle(images.train, images.validation, None, None, images.num_classes)
+    return DataBundle(
+        images.train,
+        images.validation,
+        None,
+        None,
+        images.num_classes,
+        class_names=images.class_names,
+        image_transform=images.validation.transform,
+    )
 
 
 def _synthetic_bundle(

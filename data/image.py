@@ -26,7 +26,8 @@ from data.transforms import ImageTransform
 CIFAR_DIRECTORY = "cifar-10-batches-py"
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_TEST_BATCH = "test_batch"
-CIFAR_NUM_CLASSES = 10
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+"""CIFAR-10's label names in label order, as its batches.meta lists them."""
 VALIDATION_SPLITS = ("validation", "test")
 
 HOLDOUT_SEED = 0
@@ -105,7 +106,12 @@ class ImageDataset(Dataset):
 class ImageDatasets:
     train: ImageDataset
     validation: ImageDataset
-    num_classes: int
+    class_names: list[str]
+    """The name of each label, in label order."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
 
 
 def load_image_datasets(
@@ -130,9 +136,9 @@ def load_image_datasets(
     cifar_dir = path / CIFAR_DIRECTORY if is_cifar10_dir(path / CIFAR_DIRECTORY) else path
     if is_cifar10_dir(cifar_dir):
         train_source, validation_source = read_cifar10(cifar_dir)
-        num_classes = CIFAR_NUM_CLASSES
+        class_names = list(CIFAR_CLASSES)
     else:
-        train_source, validation_source, num_classes = read_image_folder(path, validation_fraction)
+        train_source, validation_source, class_names = read_image_folder(path, validation_fraction)
 
     def dataset(source: ImageSource, train: bool) -> ImageDataset:
         transform = ImageTransform(image_size=image_size, mean=mean, std=std, augment=augment and train)
@@ -141,7 +147,7 @@ def load_image_datasets(
     return ImageDatasets(
         train=dataset(train_source, train=True),
         validation=dataset(validation_source, train=False),
-        num_classes=num_classes,
+        class_names=class_names,
     )
 
 
@@ -158,8 +164,9 @@ def read_cifar10(directory: Path) -> tuple[TensorImages, TensorImages]:
     return train, _read_cifar_batches([directory / CIFAR_TEST_BATCH])
 
 
-def read_image_folder(directory: Path, validation_fraction: float) -> tuple[FolderImages, FolderImages, int]:
-    """Use the folder's validation or test split, or hold out a fixed random `validation_fraction`.
+def read_image_folder(directory: Path, validation_fraction: float) -> tuple[FolderImages, FolderImages, list[str]]:
+    """Use the folder's validation or test split, or hold out a fixed random `validation_fraction`;
+    the class names are the class subdirectories' names, in label order.
 
     imagefolder lists images class by class. The hold-out is random rather than the last files,
     which would be one class only, and validation is read in a fixed random order, since an
@@ -179,14 +186,14 @@ def read_image_folder(directory: Path, validation_fraction: float) -> tuple[Fold
     label_feature = train.features.get("label")
     if not isinstance(label_feature, datasets.ClassLabel):
         raise ValueError(f"imagefolder {directory} has no class subdirectories to take labels from")
-    num_classes = label_feature.num_classes
+    class_names = list(label_feature.names)
 
     generator = torch.Generator().manual_seed(HOLDOUT_SEED)
     validation_split = next((split for split in VALIDATION_SPLITS if split in splits), None)
     if validation_split is not None:
         validation = splits[validation_split]
         mixed = torch.randperm(len(validation), generator=generator).tolist()
-        return FolderImages(train), FolderImages(validation, mixed), num_classes
+        return FolderImages(train), FolderImages(validation, mixed), class_names
 
     num_validation = int(len(train) * validation_fraction)
     if num_validation == 0 or num_validation == len(train):
@@ -195,7 +202,7 @@ def read_image_folder(directory: Path, validation_fraction: float) -> tuple[Fold
             f"{validation_fraction}; add images or a validation/ split"
         )
     order = torch.randperm(len(train), generator=generator).tolist()
-    return FolderImages(train, sorted(order[num_validation:])), FolderImages(train, order[:num_validation]), num_classes
+    return FolderImages(train, sorted(order[num_validation:])), FolderImages(train, order[:num_validation]), class_names
 
 
 def _read_cifar_batches(paths: Sequence[Path]) -> TensorImages:

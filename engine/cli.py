@@ -110,6 +110,8 @@ def _validate(args: argparse.Namespace) -> int:
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
     )
+    for notice in config.notices:
+        print(notice)
     layout = parallel_layout(config)
     if layout.model_parallel:
         print(layout.describe())

@@ -20,6 +20,7 @@ from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layou
 from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
 from engine.failures.faults import Fault, fault_from_env
+from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.parallel.layout import parallel_layout
@@ -142,9 +143,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     """Everything that can fail because of user input, done before any process group exists."""
     hardware = detect_hardware()
     config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
-    problems = launch_problems(config.trainer.backend, config.precision, config.world_size)
-    if problems:
-        raise RunError("launch error:\n  " + "\n  ".join(problems))
+    check_launch(config, config_path, overrides, hardware)
     torch.set_num_threads(config.trainer.threads_per_rank)
     bundle = load_data(config)
     try:
@@ -167,15 +166,35 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
 
 
+def check_launch(config: EngineConfig, config_path: str, overrides: list[str], hardware: Hardware) -> None:
+    """The launcher's own settings against the config: one RunError naming every disagreement.
+
+    accelerate's DeepSpeed plugin is held to the config as written: the ZeRO stage 0 and autocast
+    that `trainer.single_rank_fast_path` runs one rank in are the engine's choice, not the config's."""
+    problems = launch_problems(config.trainer.backend, config.precision, config.world_size, Path(config_path))
+    plugin = deepspeed_plugin_settings()
+    if plugin is not None:
+        written = load_without_fast_path(config_path, overrides, hardware) if config.rerouted else config
+        problems += deepspeed_plugin_problems(
+            plugin, Path(config_path), written.trainer.backend, written.precision, written.document
+        )
+    if problems:
+        raise RunError("launch error:\n  " + "\n  ".join(problems))
+
+
+def load_without_fast_path(config_path: str, overrides: list[str], hardware: Hardware) -> EngineConfig:
+    """The config with its stage and precision as written, where one rank would have rerouted them."""
+    overrides = [*overrides, "trainer.single_rank_fast_path=false"]
+    return load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
+
+
 def keep_configured_stage(
     config_path: str, overrides: list[str], hardware: Hardware, resume: CheckpointRef, saved: SavedLayout
 ) -> EngineConfig:
     """The config as written, for a one-rank resume of a checkpoint saved under ZeRO-1/2/3: DeepSpeed
     loads such a checkpoint into a ZeRO stage only (its universal form holds partitioned optimizer
     states), so `trainer.single_rank_fast_path` must not turn the stage into 0."""
-    config = load_config(
-        config_path, [*overrides, "trainer.single_rank_fast_path=false"], world_size=env_world_size(), hardware=hardware
-    )
+    config = load_without_fast_path(config_path, overrides, hardware)
     reason = (
         f"one rank, but checkpoint {resume.path} was saved under ZeRO-{saved.zero_stage}, which loads into a "
         "ZeRO stage only: the stage and precision stay as configured"

@@ -163,6 +163,8 @@ class Trainer:
         )
         if config.rerouted:
             logger.write(f"{config.rerouted} (trainer.single_rank_fast_path)")
+        for notice in config.notices:
+            logger.write(notice)
         if self.prepared.saved_layout is not None:
             saved, now = self.prepared.saved_layout.describe(), self.prepared.layout.describe()
             if self.prepared.reshape:
@@ -178,7 +180,15 @@ class Trainer:
         if is_main_process():
             export_dir = self.output_dir / "export"
             tokenizer = self.data.tokenizer
-            export_model(self.family, state, self.config.model.fields, export_dir, tokenizer)
+            export_model(
+                self.family,
+                state,
+                self.config.model.fields,
+                export_dir,
+                tokenizer=tokenizer,
+                image_transform=self.data.image_transform,
+                class_names=self.data.class_names,
+            )
             logger.write(f"exported consolidated fp32 weights to {export_dir}")
             tokens = self.config.trainer.sample_tokens
             if tokens and tokenizer is not None:

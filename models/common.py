@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -333,9 +333,18 @@ class HFCheckpoint:
         if problems:
             raise ValueError(f"model.init_from {path} has a different architecture: {'; '.join(problems)}")
 
-    def export(self, state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
+    def export(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        section: Mapping[str, Any],
+        out_dir: Path,
+        class_names: Sequence[str] | None = None,
+    ) -> None:
         """An HF checkpoint directory (config.json, model.safetensors) that plain `from_pretrained`
-        of the family's class loads, holding exactly the weights in `state_dict`."""
+        of the family's class loads, holding exactly the weights in `state_dict`. `class_names` is
+        in every family's signature for classifiers; a language model has none to record."""
+        if class_names is not None:
+            raise ValueError(f"a {self.kind} model has no classes, yet was given {len(class_names)} class names")
         config = self.config(section)
         # Only the config and the parameter names of this model are used; the weights are `state_dict`.
         with torch.device("meta"):

@@ -10,7 +10,7 @@ a model, so config validation and the planner read the presets without importing
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,8 +131,13 @@ def check_init_from(section: Mapping[str, Any]) -> None:
     _checkpoint(section).check_init_from(section)
 
 
-def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
-    _checkpoint(section).export(state_dict, section, out_dir)
+def export(
+    state_dict: Mapping[str, torch.Tensor],
+    section: Mapping[str, Any],
+    out_dir: Path,
+    class_names: Sequence[str] | None = None,
+) -> None:
+    _checkpoint(section).export(state_dict, section, out_dir, class_names)
 
 
 def load_export(path: Path) -> nn.Module:

@@ -8,7 +8,7 @@ Adding a family means writing one module that exposes the names `_family` reads,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -54,6 +54,9 @@ class ModelFamily:
     repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
     `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
     only ever holds its share of the weights (engine/parallel/zero3_init.py).
+    `export(state_dict, section, out_dir, class_names)` writes what the model's own library loads;
+    `class_names`, the data's names for its labels where it has them, are for image classifiers, and
+    a family trained on tokens refuses any.
 
     Config: `model_schema` holds the JSON Schema of the model section's own keys (the schema adds
     those every family has); `config_issues(section, data, micro_batch)` yields (JSON path, message)
@@ -92,7 +95,7 @@ class ModelFamily:
     compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
     eval_sums: Callable[[torch.nn.Module, Batch], dict[str, torch.Tensor]]
     summarize_eval: Callable[[Mapping[str, float]], dict[str, float]]
-    export: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Path], None]
+    export: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Path, Sequence[str] | None], None]
     load_export: Callable[[Path], torch.nn.Module]
     pipeline: PipelineForm
     tensor_parallel: TensorParallelPlan | None

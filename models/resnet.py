@@ -10,7 +10,7 @@ import functools
 import json
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -144,18 +144,30 @@ def _transformers_resnet(arch: Mapping[str, Any]) -> nn.Module:
     return ResNetForImageClassification(_transformers_config(arch))
 
 
-def _transformers_config(arch: Mapping[str, Any]) -> Any:
+def _transformers_config(arch: Mapping[str, Any], class_names: Sequence[str] | None = None) -> Any:
     """transformers' defaults already match torchvision's ResNet v1.5: stride in the 3x3
-    convolution, no downsampling in the first stage."""
+    convolution, no downsampling in the first stage. Its labels are `_label_names`: transformers'
+    own "LABEL_i" where the data names no classes."""
     from transformers import ResNetConfig
 
     expansion = _EXPANSION[arch["block"]]
+    labels = _label_names(arch["num_classes"], class_names)
     return ResNetConfig(
         layer_type=arch["block"],
         depths=list(arch["depths"]),
         hidden_sizes=[width * expansion for width in _STAGE_WIDTHS],
-        num_labels=arch["num_classes"],
+        id2label=dict(enumerate(labels)),
+        label2id={label: index for index, label in enumerate(labels)},
     )
+
+
+def _label_names(num_classes: int, class_names: Sequence[str] | None) -> list[str]:
+    """One name per classifier output: the data's class names, then "LABEL_i" for outputs the data
+    has no class for (a classifier may be wider than the data's classes, never narrower)."""
+    names = list(class_names or ())
+    if len(names) > num_classes:
+        raise ValueError(f"{len(names)} class names for a classifier of {num_classes} outputs")
+    return names + [f"LABEL_{index}" for index in range(len(names), num_classes)]
 
 
 def _from_transformers(model: nn.Module) -> bool:
@@ -237,12 +249,20 @@ def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
     return {"loss": sums["loss_sum"] / sums["samples"], "accuracy": sums["correct"] / sums["samples"]}
 
 
-def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], out_dir: Path) -> None:
+def export(
+    state_dict: Mapping[str, torch.Tensor],
+    section: Mapping[str, Any],
+    out_dir: Path,
+    class_names: Sequence[str] | None = None,
+) -> None:
     """`model.safetensors`, loadable by `load_state_dict` of the recorded implementation's ResNet,
-    and `export.json` naming that implementation, preset and classifier width; for transformers'
-    implementation also its `config.json`, so that `ResNetForImageClassification.from_pretrained`
-    (or `AutoModelForImageClassification`) loads the export as it is."""
+    and `export.json` naming that implementation, preset, classifier width and each output's label
+    (`_label_names`), the only record of them torchvision's ResNet has; for transformers'
+    implementation also its `config.json` with the same labels, so that
+    `ResNetForImageClassification.from_pretrained` (or `AutoModelForImageClassification`, or an
+    image-classification pipeline) loads the export as it is and names the classes it predicts."""
     arch = architecture(section)
+    labels = _label_names(arch["num_classes"], class_names)
     with torch.device("meta"):
         expected = build_module(arch).state_dict()
     check_state_dict(expected, state_dict)
@@ -253,10 +273,11 @@ def export(state_dict: Mapping[str, torch.Tensor], section: Mapping[str, Any], o
         "preset": section["preset"],
         "num_classes": arch["num_classes"],
         "implementation": arch["implementation"],
+        "labels": labels,
     }
     (out_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
     if arch["implementation"] == "transformers":
-        _transformers_config(arch).save_pretrained(out_dir)
+        _transformers_config(arch, labels).save_pretrained(out_dir)
 
 
 def load_export(path: Path) -> nn.Module:

@@ -56,6 +56,7 @@ def build_optimizer(
     decoupled = section["type"] == "AdamW" or params.get("adam_w_mode", True)
     params.pop("adam_w_mode", None)
     params.pop("torch_adam", None)
+    params.pop("bias_correction", None)  # true (engine/config/support.py): torch's Adam always corrects
     if cpu_adam:
         return DeepSpeedCPUAdam(parameters, adamw_mode=decoupled, **params)
     if fused:

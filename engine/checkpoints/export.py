@@ -1,16 +1,20 @@
 """The end of a run: consolidated fp32 weights in a format the model's own library loads
-(`GPT2LMHeadModel` or `LlamaForCausalLM.from_pretrained`, a ResNet `load_state_dict`), plus the
-tokenizer, so the result outlives this engine."""
+(`GPT2LMHeadModel` or `LlamaForCausalLM.from_pretrained`, a ResNet `load_state_dict`), plus what
+turns raw inputs into the model's (the tokenizer, or the image processor and class names), so the
+result outlives this engine."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models import ModelFamily
+
+if TYPE_CHECKING:
+    from data.transforms import ImageTransform
 
 
 def export_model(
@@ -18,12 +22,20 @@ def export_model(
     state_dict: dict[str, torch.Tensor],
     model_config: Mapping[str, Any],
     export_dir: Path,
-    tokenizer: Any | None,
+    *,
+    tokenizer: Any | None = None,
+    image_transform: ImageTransform | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> None:
+    """The weights, with the data's side saved beside them as transformers reads it, so that
+    `pipeline(..., model=export_dir)` runs on raw text or images: the tokenizer, or the evaluation
+    image transform as an image processor and the class names as the model's labels."""
     export_dir.mkdir(parents=True, exist_ok=True)
-    family.export(state_dict, model_config, export_dir)
+    family.export(state_dict, model_config, export_dir, class_names)
     if tokenizer is not None:
         tokenizer.save(export_dir)
+    if image_transform is not None:
+        image_transform.save_image_processor(export_dir)
 
 
 def sample_text(family: ModelFamily, export_dir: Path, tokenizer: Any, num_tokens: int, seed: int) -> str:

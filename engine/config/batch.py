@@ -24,10 +24,22 @@ class BatchError(ValueError):
         self.path = path
 
 
+# The micro-batch an all-"auto" batch takes: HF TrainingArguments' per_device_train_batch_size default.
+DEFAULT_MICRO_BATCH = 8
+
+
 def solve_batch_triple(
-    train_batch_size: int | None, micro_batch_size: int | None, accumulation: int | None, dp_size: int
+    train_batch_size: int | None,
+    micro_batch_size: int | None,
+    accumulation: int | None,
+    dp_size: int,
+    auto: bool = False,
 ) -> BatchTriple:
+    """`auto`: the batch was written as "auto" (HF's and accelerate's templates), so with neither
+    size known the micro-batch is DEFAULT_MICRO_BATCH, and accumulation 1 unless given."""
     train, micro, accum = train_batch_size, micro_batch_size, accumulation
+    if train is None and micro is None and auto:
+        micro = DEFAULT_MICRO_BATCH
     if train is None and micro is None:
         raise BatchError(
             "train_batch_size",
@@ -61,3 +73,15 @@ def solve_batch_triple(
             f"use a multiple of {micro * dp_size}",
         )
     return BatchTriple(train, micro, train // (micro * dp_size))
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def solve_document_batch(document: dict, dp_size: int) -> BatchTriple:
+    """The triple a config's batch keys describe: absent and "auto" are both unknown, and "auto"
+    anywhere in the triple lets an unknown batch take its default."""
+    values = [document.get(key, "auto") for key in BATCH_KEYS]
+    known = [None if value == "auto" else value for value in values]
+    written_auto = any(document.get(key) == "auto" for key in BATCH_KEYS)
+    return solve_batch_triple(*known, dp_size, auto=written_auto)

@@ -3,6 +3,7 @@ problem. Nothing here starts a process group or builds a model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -10,9 +11,10 @@ from typing import Any
 
 from engine.config.errors import ConfigError, ConfigIssue, json_path
 from engine.config.overrides import apply_overrides
-from engine.config.resolve import EngineConfig, resolve
+from engine.config.resolve import EngineConfig, resolve, settle_plugin_values, settle_training_arguments
 from engine.config.rules import rule_issues
-from engine.config.validate import canonical_spellings, fill_defaults, schema_issues
+from engine.config.support import backend_issues
+from engine.config.validate import canonical_spellings, fill_defaults, schema_issues, spelling_notices
 from engine.launch.hardware import Hardware
 
 
@@ -71,8 +73,8 @@ def check_document(document: dict, world_size: int, hardware: Hardware | None) -
     if issues:
         # Cross-field rules read typed values; they run once the schema is satisfied.
         raise ConfigError(issues)
-    filled = fill_defaults(document)
-    issues = rule_issues(filled, world_size, hardware)
+    filled = settle_plugin_values(settle_training_arguments(fill_defaults(document)))
+    issues = [*rule_issues(filled, world_size, hardware), *backend_issues(document, filled)]
     if issues:
         raise ConfigError(issues)
     return filled
@@ -96,4 +98,5 @@ def load_config(
         filled = check_document(document, world_size, hardware if check_hardware else None)
     except ConfigError as error:
         raise ConfigError(error.issues, str(path)) from None
-    return resolve(filled, world_size, hardware, source=path)
+    config = resolve(filled, world_size, hardware, source=path)
+    return dataclasses.replace(config, notices=tuple(spelling_notices(document)))

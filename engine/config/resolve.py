@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from data.tokens.cache import default_cache_dir
-from engine.config.batch import solve_batch_triple
+from engine.config.batch import solve_document_batch
 from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, data_parallel_size, offloads
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
+from engine.config.validate import schema_at
+from engine.launch.deepspeed_plugin import PLUGIN_TO_CONFIG, deepspeed_plugin_settings
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware, device_peak_flops
 from models import get_family
@@ -26,6 +28,8 @@ from models import get_family
 _REDUCE_BUCKET_FLOOR = 40_000_000
 _PREFETCH_BUCKET_DEFAULT = 50_000_000
 _PERSISTENCE_THRESHOLD_DEFAULT = 100_000
+# DeepSpeed's WarmupLR raises a shorter warm-up to 2 steps (its log warm-up divides by log(steps)).
+_FEWEST_WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class EngineConfig:
     source: Path | None = field(default=None, compare=False)
     # What `trainer.single_rank_fast_path` changed, as the start-up log names it ("" where nothing).
     rerouted: str = field(default="", compare=False)
+    # One line per deprecated DeepSpeed spelling the config used, naming the key it was read as.
+    notices: tuple[str, ...] = field(default=(), compare=False)
 
     @cached_property
     def model(self) -> ModelSection:
@@ -103,7 +109,7 @@ class EngineConfig:
         degree = self.parallel.tensor_parallel_size
         document = copy.deepcopy(self.document)
         document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
-        return EngineConfig(document, self.world_size, self.source, self.rerouted)
+        return EngineConfig(document, self.world_size, self.source, self.rerouted, self.notices)
 
 
 def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | None = None) -> EngineConfig:
@@ -150,16 +156,57 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     return EngineConfig(doc, world_size, source, rerouted)
 
 
-def _resolve_batch(doc: dict, world_size: int) -> None:
-    def known(key: str) -> int | None:
-        return None if doc.get(key, AUTO) == AUTO else doc[key]
+def settle_training_arguments(document: dict) -> dict:
+    """A copy of a defaults-filled document with HF's TrainingArguments "auto" values settled: the
+    cross-field rules compare them. HF's Trainer fills these from TrainingArguments; the engine has
+    none, so each takes its key's default in the schema, and the warm-up is 1% of the run (at least
+    the 2 steps DeepSpeed runs), Megatron-LM's --lr-warmup-fraction 0.01."""
+    doc = copy.deepcopy(document)
+    optimizer = doc["optimizer"]
+    defaults = schema_at(["optimizer", "params"], doc)["properties"]
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        if optimizer["params"].get(key) == AUTO:
+            optimizer["params"][key] = copy.deepcopy(defaults[key]["default"])
+    scheduler = doc.get("scheduler")
+    if scheduler:
+        params = scheduler["params"]
+        if params.get("warmup_min_lr") == AUTO:
+            params["warmup_min_lr"] = schema_at(["scheduler", "params", "warmup_min_lr"], doc)["default"]
+        if params.get("warmup_num_steps") == AUTO:
+            params["warmup_num_steps"] = max(_FEWEST_WARMUP_STEPS, doc["trainer"]["max_steps"] // 100)
+    return doc
 
-    triple = solve_batch_triple(
-        known("train_batch_size"),
-        known("train_micro_batch_size_per_gpu"),
-        known("gradient_accumulation_steps"),
-        data_parallel_size(doc, world_size),
-    )
+
+def settle_plugin_values(document: dict) -> dict:
+    """A copy of a defaults-filled document with the "auto" values accelerate's DeepSpeed plugin fills
+    (its DeepSpeedPlugin's own map, engine/launch/deepspeed_plugin.py) taken from the yaml the run was
+    launched with, or from the engine's defaults without one: ZeRO stage 0, no offload, no 16-bit
+    copy at ZeRO-3 saves. The accumulation and clipping keep their own "auto" rules where the yaml
+    is silent."""
+    doc = copy.deepcopy(document)
+    plugin = deepspeed_plugin_settings()
+    fallbacks = {
+        "zero_optimization.stage": 0,
+        "zero_optimization.offload_optimizer.device": "none",
+        "zero_optimization.offload_param.device": "none",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+        "gradient_accumulation_steps": AUTO,
+        "gradient_clipping": AUTO,
+    }
+    for field_name, dotted in PLUGIN_TO_CONFIG.items():
+        *parents, key = dotted.split(".")
+        section = doc
+        for parent in parents:
+            section = section[parent]
+        if section.get(key) != AUTO:
+            continue
+        given = getattr(plugin, field_name) if plugin is not None else None
+        section[key] = fallbacks[dotted] if given is None else given
+    return doc
+
+
+def _resolve_batch(doc: dict, world_size: int) -> None:
+    triple = solve_document_batch(doc, data_parallel_size(doc, world_size))
     doc["train_batch_size"] = triple.train_batch_size
     doc["train_micro_batch_size_per_gpu"] = triple.micro_batch_size
     doc["gradient_accumulation_steps"] = triple.gradient_accumulation_steps
@@ -228,6 +275,8 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
         params["torch_adam"] = (
             hardware.device_type == "cpu" and doc["zero_optimization"]["offload_optimizer"]["device"] == "none"
         )
+    if params.get("torch_adam") is True:
+        params.pop("bias_correction", None)  # torch's Adam takes no such argument and always corrects
     scheduler = doc.get("scheduler")
     if not scheduler:
         return

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from engine.config.batch import BatchError, solve_batch_triple
+from engine.config.batch import BatchError, solve_document_batch
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
+from engine.config.support import unsupported_issues
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware
 from models import get_family
@@ -142,12 +143,7 @@ def check_tensor_parallel(document: dict, world_size: int, hardware: Hardware | 
 
 def check_batch(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     try:
-        solve_batch_triple(
-            _known(document.get("train_batch_size")),
-            _known(document.get("train_micro_batch_size_per_gpu")),
-            _known(document.get("gradient_accumulation_steps")),
-            max(1, data_parallel_size(document, world_size)),
-        )
+        solve_document_batch(document, max(1, data_parallel_size(document, world_size)))
     except BatchError as error:
         yield ConfigIssue(error.path, str(error))
 
@@ -228,12 +224,6 @@ def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> It
                 "optimizer.type",
                 f"{optimizer['type']} cannot run under offload_optimizer (DeepSpeed's host optimizer is Adam); "
                 "use Adam or AdamW",
-            )
-        elif optimizer["params"].get("torch_adam") is True and document["zero_force_ds_cpu_optimizer"]:
-            yield ConfigIssue(
-                "optimizer.params.torch_adam",
-                "torch_adam under offload_optimizer is refused by DeepSpeed (zero_force_ds_cpu_optimizer); "
-                "drop torch_adam so DeepSpeedCPUAdam runs",
             )
     if optimizer["type"] == "AdamW" and optimizer["params"].get("adam_w_mode") is False:
         yield ConfigIssue(
@@ -437,17 +427,21 @@ def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware
         )
 
 
-_MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+_MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
 
 def check_monitors(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """DeepSpeed imports a monitor's package inside `deepspeed.initialize`, after every rank has
     started; a missing one is better named here, before anything launches."""
     for key, package in _MONITOR_PACKAGES.items():
-        if document[key]["enabled"] and importlib.util.find_spec(package) is None:
+        if document.get(key, {}).get("enabled") and importlib.util.find_spec(package) is None:
             yield ConfigIssue(
                 f"{key}.enabled", f"the {package} package is not installed; `pip install {package}` or set it to false"
             )
+
+
+def check_deepspeed_support(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    yield from unsupported_issues(document)
 
 
 RULES: tuple[Rule, ...] = (
@@ -464,6 +458,7 @@ RULES: tuple[Rule, ...] = (
     check_nonfinite,
     check_accelerate_backend,
     check_monitors,
+    check_deepspeed_support,
 )
 
 

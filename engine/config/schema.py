@@ -12,8 +12,10 @@ from DeepSpeed, whose defaults change between releases (0.19 turned `gradient_cl
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from engine.config.deepspeed_schema import MODEL_SECTIONS, TIMER_SECTIONS, model_schema
 from models import FAMILIES
 
 AUTO = "auto"
@@ -72,6 +74,27 @@ def _when(key: str, value: str, then: dict, default: str | None = None) -> dict:
     return {"if": condition, "then": then}
 
 
+def _overlay(deepspeed: dict, engine: dict) -> dict:
+    """DeepSpeed's schema of a section with the engine's fields laid over it: the engine's field
+    wins where both define one (its default, its "auto", its description), DeepSpeed's fields fill
+    in the rest. A section DeepSpeed allows to be null is an object here (the engine fills it)."""
+    if "anyOf" in deepspeed:
+        deepspeed = next((option for option in deepspeed["anyOf"] if option.get("type") == "object"), deepspeed)
+    if deepspeed.get("type") != "object" or engine.get("type") != "object":
+        return engine
+    merged = {**copy.deepcopy(deepspeed), **{key: value for key, value in engine.items() if key != "properties"}}
+    properties = copy.deepcopy(deepspeed.get("properties", {}))
+    for key, field in engine.get("properties", {}).items():
+        properties[key] = _overlay(properties[key], field) if key in properties else field
+    merged["properties"] = properties
+    return merged
+
+
+def _deepspeed_section(key: str, engine: dict) -> dict:
+    """The top-level section `key`, from DeepSpeed's pydantic model with the engine's fields over it."""
+    return _overlay(model_schema(MODEL_SECTIONS[key]), engine)
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed keys
 # ---------------------------------------------------------------------------------------------
@@ -90,18 +113,34 @@ _BATCH = {
     ),
 }
 
+# HF's Trainer and accelerate fill "auto" in these keys from TrainingArguments; the engine has no
+# TrainingArguments, so "auto" there is the key's own default (engine/config/resolve.py).
+_HF_AUTO = ' "auto" (HF Trainer\'s placeholder for a TrainingArguments value): this default.'
+
 _ADAM_PARAMS = {
-    "lr": _number("Peak learning rate.", 3e-4, exclusiveMinimum=0),
+    "lr": _number("Peak learning rate." + _HF_AUTO, 3e-4, auto=True, exclusiveMinimum=0),
     "betas": {
-        "type": "array",
-        "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-        "minItems": 2,
-        "maxItems": 2,
-        "description": "Adam's (beta1, beta2).",
+        "anyOf": [
+            {
+                "type": "array",
+                "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                "minItems": 2,
+                "maxItems": 2,
+            },
+            {"const": AUTO},
+        ],
+        "description": "Adam's (beta1, beta2)." + _HF_AUTO,
         "default": [0.9, 0.999],
     },
-    "eps": _number("Adam's epsilon.", 1e-8, exclusiveMinimum=0),
-    "weight_decay": _number("Decoupled (AdamW) or L2 (Adam with adam_w_mode false) weight decay.", 0.0, minimum=0),
+    "eps": _number("Adam's epsilon." + _HF_AUTO, 1e-8, auto=True, exclusiveMinimum=0),
+    "weight_decay": _number(
+        "Decoupled (AdamW) or L2 (Adam with adam_w_mode false) weight decay." + _HF_AUTO, 0.0, auto=True, minimum=0
+    ),
+    "bias_correction": _boolean(
+        "Adam's bias correction (FusedAdam's and DeepSpeedCPUAdam's argument). Only true: torch's Adam, which the "
+        "accelerate backend and the single-process reference run, always corrects; under torch_adam it is left out "
+        "of what reaches DeepSpeed, which would hand it to torch."
+    ),
     "adam_w_mode": _boolean(
         'DeepSpeed runs "Adam" as AdamW unless this is false; the default keeps that behaviour explicit.',
         True,
@@ -116,9 +155,9 @@ _ADAM_PARAMS = {
 }
 
 _SGD_PARAMS = {
-    "lr": _number("Learning rate.", 0.1, exclusiveMinimum=0),
+    "lr": _number("Learning rate." + _HF_AUTO, 0.1, auto=True, exclusiveMinimum=0),
     "momentum": _number("Momentum factor.", 0.9, minimum=0),
-    "weight_decay": _number("L2 penalty.", 0.0, minimum=0),
+    "weight_decay": _number("L2 penalty." + _HF_AUTO, 0.0, auto=True, minimum=0),
     "nesterov": _boolean("Nesterov momentum.", False),
     "dampening": _number("Dampening for momentum.", 0.0, minimum=0),
 }
@@ -128,6 +167,7 @@ _OPTIMIZER = _object(
     "DeepSpeedCPUAdam under offload_optimizer); SGD is torch.optim.SGD.",
     {
         "type": _enum(["Adam", "AdamW", "SGD"], "Optimizer name, spelled as DeepSpeed spells it.", "AdamW"),
+        "legacy_fusion": _boolean("DeepSpeed's older fused fp16 optimizer wrapper (fp16 on DeepSpeed only)."),
         "params": {"type": "object", "description": "Keyword arguments of the optimizer.", "default": {}},
     },
     allOf=[
@@ -140,14 +180,16 @@ _OPTIMIZER = _object(
 _WARMUP_COMMON = {
     "warmup_num_steps": _integer(
         "Steps of warm-up; at least 2, the fewest DeepSpeed runs (it raises a lower count to 2, as its log "
-        "warm-up divides by the logarithm of the count).",
+        'warm-up divides by the logarithm of the count). "auto": 1% of trainer.max_steps, at least 2 (Megatron-LM\'s '
+        "--lr-warmup-fraction 0.01).",
         1000,
         minimum=2,
+        auto=True,
     ),
     "warmup_type": _enum(["log", "linear"], "Shape of the warm-up curve.", "log"),
 }
 _WARMUP_LR_PARAMS = {
-    "warmup_min_lr": _number("Learning rate at step 0.", 0.0, minimum=0),
+    "warmup_min_lr": _number("Learning rate at step 0." + _HF_AUTO, 0.0, auto=True, minimum=0),
     "warmup_max_lr": _number('Learning rate after warm-up; "auto": optimizer.params.lr.', AUTO, auto=True, minimum=0),
     **_WARMUP_COMMON,
 }
@@ -193,53 +235,64 @@ _SCHEDULER = _object(
     ],
 )
 
-_FP16 = _object(
-    "Mixed precision with fp16 and a dynamic loss scale (only where the device supports fp16).",
-    {
-        "enabled": _boolean('"auto": on only where bf16 is unsupported and fp16 is (older GPUs).', False, auto=True),
-        "loss_scale": _number("0 for a dynamic loss scale, else a fixed scale.", 0.0, minimum=0),
-        "initial_scale_power": _integer("The dynamic scale starts at 2**this.", 16, minimum=0),
-        "loss_scale_window": _integer("Steps without overflow before the scale grows.", 1000, minimum=1),
-        "hysteresis": _integer("Overflows tolerated before the scale shrinks.", 2, minimum=1),
-        "min_loss_scale": _number("Floor of the dynamic scale.", 1.0, exclusiveMinimum=0),
-    },
-    default={},
+_FP16 = _deepspeed_section(
+    "fp16",
+    _object(
+        "Mixed precision with fp16 and a dynamic loss scale (only where the device supports fp16).",
+        {
+            "enabled": _boolean(
+                '"auto": on only where bf16 is unsupported and fp16 is (older GPUs).', False, auto=True
+            ),
+            "loss_scale": _number("0 for a dynamic loss scale, else a fixed scale.", 0.0, minimum=0),
+            "initial_scale_power": _integer("The dynamic scale starts at 2**this.", 16, minimum=0),
+            "loss_scale_window": _integer("Steps without overflow before the scale grows.", 1000, minimum=1),
+            "hysteresis": _integer("Overflows tolerated before the scale shrinks.", 2, minimum=1),
+            "min_loss_scale": _number("Floor of the dynamic scale.", 1.0, exclusiveMinimum=0),
+        },
+        default={},
+    ),
 )
 
-_BF16 = _object(
-    "Mixed precision with bf16 weights and fp32 master weights.",
-    {
-        "enabled": _boolean(
-            '"auto": on where the device supports bf16 (GPUs with it), off on CPU; at ZeRO stage 0 on DeepSpeed\'s '
-            "whole-model engine it picks torch_autocast instead (DeepSpeed's bf16 wrapper without ZeRO reads every "
-            "gradient back to the host at each step).",
-            False,
-            auto=True,
-        ),
-        "check_grad_overflow": _boolean(
-            "Whether DeepSpeed's ZeRO optimizer tests the gradients for NaN/inf before each update and drops it: "
-            'a host read of the device at every step. "auto": only under trainer.nonfinite "skip", which needs the '
-            'drop; under "stop" the engine\'s own check, read at log, evaluation and save points, stops the run '
-            "before a bad step is saved (docs/failures.md).",
-            AUTO,
-            auto=True,
-        ),
-    },
-    default={},
+_BF16 = _deepspeed_section(
+    "bf16",
+    _object(
+        "Mixed precision with bf16 weights and fp32 master weights.",
+        {
+            "enabled": _boolean(
+                '"auto": on where the device supports bf16 (GPUs with it), off on CPU; at ZeRO stage 0 on DeepSpeed\'s '
+                "whole-model engine it picks torch_autocast instead (DeepSpeed's bf16 wrapper without ZeRO reads every "
+                "gradient back to the host at each step).",
+                False,
+                auto=True,
+            ),
+            "check_grad_overflow": _boolean(
+                "Whether DeepSpeed's ZeRO optimizer tests the gradients for NaN/inf before each update and drops it: "
+                'a host read of the device at every step. "auto": only under trainer.nonfinite "skip", which needs the '
+                'drop; under "stop" the engine\'s own check, read at log, evaluation and save points, stops the run '
+                "before a bad step is saved (docs/failures.md).",
+                AUTO,
+                auto=True,
+            ),
+        },
+        default={},
+    ),
 )
 
 _TIMERS = _object(
     "DeepSpeed's timers.",
     {
-        "throughput": _object(
-            "DeepSpeed's throughput timer (samples/s in its progress lines). It synchronises the device at the "
-            "start and end of every forward when synchronized, so the engine turns it off: its own metrics time "
-            "the steps it logs.",
-            {
-                "enabled": _boolean("Run the throughput timer.", False),
-                "synchronized": _boolean("Synchronise the device around each timed forward.", True),
-            },
-            default={},
+        "throughput": _overlay(
+            model_schema(TIMER_SECTIONS["throughput"]),
+            _object(
+                "DeepSpeed's throughput timer (samples/s in its progress lines). It synchronises the device at the "
+                "start and end of every forward when synchronized, so the engine turns it off: its own metrics time "
+                "the steps it logs.",
+                {
+                    "enabled": _boolean("Run the throughput timer.", False),
+                    "synchronized": _boolean("Synchronise the device around each timed forward.", True),
+                },
+                default={},
+            ),
         )
     },
     default={},
@@ -253,7 +306,11 @@ _TORCH_AUTOCAST = _object(
     'Instead of bf16/fp16 ("auto" there turns off); DeepSpeed\'s whole-model engine only.',
     {
         "enabled": _boolean("Train under torch.autocast.", False),
-        "dtype": _enum(["bfloat16"], "The autocast dtype (fp16 has DeepSpeed's loss-scaled fp16 route).", "bfloat16"),
+        "dtype": _enum(
+            ["bfloat16", "bf16", "torch.bfloat16"],
+            "The autocast dtype, in any of DeepSpeed's spellings (fp16 has DeepSpeed's loss-scaled fp16 route).",
+            "bfloat16",
+        ),
         "lower_precision_safe_modules": {
             "type": "array",
             "items": {"type": "string"},
@@ -276,15 +333,124 @@ _DATA_TYPES = _object(
             'which leaves BatchNorm statistics in fp32 next to bf16 inputs (an error). "auto": the training '
             "dtype under fp16/bf16, unchanged (null) in fp32; null keeps buffers as loaded.",
             "default": AUTO,
-        }
+        },
+        "grad_accum_dtype": {
+            "enum": ["fp32", "fp16", "bf16", None],
+            "description": "dtype gradients accumulate in over micro-batches (DeepSpeed's default, null: the "
+            "training dtype; fp32 under bf16 keeps a high-precision accumulator).",
+        },
+        "param_dtype": {
+            "enum": ["fp32", "fp16", "bf16", None],
+            "description": "dtype DeepSpeed casts the parameters to (null: the training dtype).",
+        },
+        "keep_in_fp32_modules": {
+            "anyOf": [{"const": AUTO}, {"type": "array", "items": {"type": "string"}}],
+            "description": "Name patterns of modules whose buffers DeepSpeed keeps in fp32 under mixed precision "
+            '(DeepSpeed\'s default "auto": its own list).',
+        },
     },
     default={},
 )
 
+_DTYPE_NAME = {"enum": ["fp32", "fp16", "bf16", None]}
+
+# DeepSpeed reads these top-level keys with plain dictionary lookups (deepspeed/runtime/config.py),
+# not through a pydantic model; each is described from DeepSpeed's documentation and its default.
+_DEEPSPEED_SCALARS = {
+    "prescale_gradients": _boolean("Divide gradients by the data-parallel size before the all-reduce, not after."),
+    "gradient_predivide_factor": _number(
+        "Divide gradients by this before the all-reduce and by data-parallel size / this after.", exclusiveMinimum=0
+    ),
+    "gradient_allreduce_op": _enum(["mean", "sum"], "How data-parallel gradients combine (DeepSpeed's default: mean)."),
+    "communication_data_type": {
+        **_DTYPE_NAME,
+        "description": "dtype of gradient collectives (null: DeepSpeed picks from the training precision).",
+    },
+    "seq_parallel_communication_data_type": {
+        **_DTYPE_NAME,
+        "description": "dtype of sequence-parallel collectives (DeepSpeed's default: fp32).",
+    },
+    "disable_allgather": _boolean("Broadcast updated partitions instead of all-gathering them."),
+    "dump_state": _boolean("Print DeepSpeed's state after initialisation."),
+    "disable_python_gc": _boolean("Turn Python's garbage collector off during training steps."),
+    "memory_breakdown": _boolean("Log device memory use at points of each step (synchronises the device)."),
+    "dataloader_drop_last": _boolean("Drop the last incomplete batch of DeepSpeed's own data loader."),
+    "use_data_before_expert_parallelism": _boolean("Lay data-parallel ranks out before expert-parallel ones."),
+    "managed_gradient_accumulation": _boolean("Let DeepSpeed count micro-batches to the optimizer step."),
+    "vocabulary_size": _integer("Vocabulary size DeepSpeed checks for tensor-core alignment (a warning only).", 1),
+    "log_level": {"type": ["string", "null"], "description": "DeepSpeed's logger level."},
+}
+
+_ACTIVATION_CHECKPOINTING = _object(
+    "DeepSpeed's activation checkpointing (deepspeed.checkpointing), which its pipeline engine runs for "
+    "parallel.pipeline_activation_checkpoint_interval.",
+    {
+        "partition_activations": _boolean("Split checkpointed activations across the model-parallel ranks."),
+        "contiguous_memory_optimization": _boolean("Copy checkpoints into one contiguous buffer."),
+        "cpu_checkpointing": _boolean("Keep checkpointed activations in host memory."),
+        "number_checkpoints": {"type": ["integer", "null"], "description": "Checkpoints a forward holds."},
+        "synchronize_checkpoint_boundary": _boolean("Synchronise the device at each checkpoint boundary."),
+        "profile": _boolean("Time the checkpointed forward and backward."),
+    },
+)
+
+_FLOPS_PROFILER = _object(
+    "DeepSpeed's flops profiler: one step's FLOPs, latency and parameters per module, printed by rank 0.",
+    {
+        "enabled": _boolean("Profile one step."),
+        "recompute_fwd_factor": _number("Forward passes recomputed per step (activation checkpointing).", minimum=0),
+        "profile_step": _integer("The step profiled.", minimum=1),
+        "module_depth": _integer("Depth of modules printed; -1: all."),
+        "top_modules": _integer("Modules listed per depth.", minimum=1),
+        "detailed": _boolean("Print per-module detail."),
+        "output_file": {"type": ["string", "null"], "description": "File for the profile; null: stdout."},
+    },
+)
+
+_CHECKPOINT = _object(
+    "DeepSpeed's checkpoint options.",
+    {
+        "tag_validation": {
+            "enum": ["Ignore", "Warn", "Fail", "IGNORE", "WARN", "FAIL", "ignore", "warn", "fail"],
+            "description": "Check that every rank saves under the same tag.",
+        },
+        "load_universal": _boolean("Load a universal checkpoint; the engine sets this itself when a layout changes."),
+        "use_node_local_storage": _boolean("Each node saves to its own disk (no shared file system)."),
+        "parallel_write": _object(
+            "Parallel checkpoint writing.", {"pipeline_stage": _boolean("Each pipeline stage writes in parallel.")}
+        ),
+        "serialization": _boolean("Serialise tensors with torch.save's new zipfile format."),
+        "writer": {"type": ["object", "null"], "description": "DeepSpeed's FastPersist checkpoint writer."},
+    },
+)
+
+
+def _feature(description: str) -> dict:
+    """A DeepSpeed section the engine refuses where it is on (engine/config/support.py says why): any
+    keys DeepSpeed takes, since it is only read to be refused or to be off."""
+    return {"type": "object", "description": description}
+
+
+_FEATURES = {
+    "aio": _feature("DeepSpeed's asynchronous I/O for NVMe offload."),
+    "autotuning": _feature("DeepSpeed's autotuner, run by `deepspeed --autotuning`."),
+    "data_efficiency": _feature("DeepSpeed's data efficiency: curriculum learning and random-LTD through its sampler."),
+    "expert_parallel": _feature("DeepSpeed's automatic expert parallelism for mixture-of-experts models."),
+    "pipeline": _feature("DeepSpeed's pipeline engine options (pipe_partitioned, grad_partitioned, ...)."),
+    "weight_quantization": _feature("DeepSpeed's post-training weight quantization."),
+    "datastates": _feature("DataStates-LLM asynchronous checkpointing."),
+    "sequence_parallel_size": _integer("DeepSpeed-Ulysses sequence-parallel degree.", minimum=1),
+}
+
 _OFFLOAD_OPTIMIZER = _object(
     "ZeRO-Offload of optimizer states (and the optimizer step) to host memory. ZeRO stage >= 1.",
     {
-        "device": _enum(["none", "cpu"], "Where the optimizer states live.", "none"),
+        "device": _enum(
+            ["none", "cpu", "nvme", AUTO],
+            'Where the optimizer states live. "auto": the offload_optimizer_device of the accelerate DeepSpeed-plugin '
+            'yaml the run was launched with, else "none".',
+            "none",
+        ),
         "pin_memory": _boolean("Page-locked host buffers (faster copies to a GPU).", False),
     },
     default={},
@@ -293,56 +459,73 @@ _OFFLOAD_OPTIMIZER = _object(
 _OFFLOAD_PARAM = _object(
     "ZeRO-Infinity offload of parameters to host memory. ZeRO stage 3 only.",
     {
-        "device": _enum(["none", "cpu"], "Where the parameters live between uses.", "none"),
+        "device": _enum(
+            ["none", "cpu", "nvme", AUTO],
+            'Where the parameters live between uses. "auto": the offload_param_device of the accelerate '
+            'DeepSpeed-plugin yaml the run was launched with, else "none".',
+            "none",
+        ),
         "pin_memory": _boolean("Page-locked host buffers (faster copies to a GPU).", False),
     },
     default={},
 )
 
-_ZERO = _object(
-    "ZeRO redundancy elimination: 1 partitions optimizer states, 2 also gradients, 3 also parameters.",
-    {
-        "stage": _integer("ZeRO stage, 0 (plain data parallelism) to 3.", 0, minimum=0, maximum=3),
-        "offload_optimizer": _OFFLOAD_OPTIMIZER,
-        "offload_param": _OFFLOAD_PARAM,
-        "overlap_comm": _boolean("Overlap gradient reduction with the backward pass.", False),
-        "contiguous_gradients": _boolean("Copy gradients into one contiguous buffer as they are produced.", True),
-        "reduce_scatter": _boolean("Reduce gradients with reduce-scatter instead of all-reduce.", True),
-        "allgather_partitions": _boolean("All-gather updated partitions instead of broadcasts.", True),
-        "reduce_bucket_size": _integer(
-            'Elements reduced at a time; "auto": Megatron-LM\'s bucket, max(4e7, 1e6 x data-parallel ranks).',
-            AUTO,
-            minimum=1,
-            auto=True,
-        ),
-        "allgather_bucket_size": _integer("Elements all-gathered at a time.", 500_000_000, minimum=1),
-        "round_robin_gradients": _boolean("Stage 1/2: spread gradient copies over ranks round-robin.", False),
-        "stage3_prefetch_bucket_size": _integer(
-            'Stage 3: elements prefetched ahead; "auto": DeepSpeed\'s 5e7.',
-            AUTO,
-            minimum=0,
-            auto=True,
-        ),
-        "stage3_param_persistence_threshold": _integer(
-            'Stage 3: parameters smaller than this stay unpartitioned; "auto": 10 x hidden size (GPT), else 1e5.',
-            AUTO,
-            minimum=0,
-            auto=True,
-        ),
-        "stage3_max_live_parameters": _integer(
-            "Stage 3: most elements resident before release.", 1_000_000_000, minimum=0
-        ),
-        "stage3_max_reuse_distance": _integer(
-            "Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0
-        ),
-        "stage3_gather_16bit_weights_on_model_save": _boolean(
-            "Stage 3: every checkpoint also holds the gathered weights, in the training precision, as "
-            "pytorch_model.bin (DeepSpeed's save_16bit_model).",
-            False,
-        ),
-        "sub_group_size": _integer("Stage 3: elements per optimizer sub-group.", 1_000_000_000, minimum=1),
-    },
-    default={},
+_ZERO = _deepspeed_section(
+    "zero_optimization",
+    _object(
+        "ZeRO redundancy elimination: 1 partitions optimizer states, 2 also gradients, 3 also parameters.",
+        {
+            "stage": _integer(
+                'ZeRO stage, 0 (plain data parallelism) to 3. "auto": the zero_stage of the accelerate '
+                "DeepSpeed-plugin yaml the run was launched with, else 0.",
+                0,
+                minimum=0,
+                maximum=3,
+                auto=True,
+            ),
+            "offload_optimizer": _OFFLOAD_OPTIMIZER,
+            "offload_param": _OFFLOAD_PARAM,
+            "overlap_comm": _boolean("Overlap gradient reduction with the backward pass.", False),
+            "contiguous_gradients": _boolean("Copy gradients into one contiguous buffer as they are produced.", True),
+            "reduce_scatter": _boolean("Reduce gradients with reduce-scatter instead of all-reduce.", True),
+            "allgather_partitions": _boolean("All-gather updated partitions instead of broadcasts.", True),
+            "reduce_bucket_size": _integer(
+                'Elements reduced at a time; "auto": Megatron-LM\'s bucket, max(4e7, 1e6 x data-parallel ranks).',
+                AUTO,
+                minimum=1,
+                auto=True,
+            ),
+            "allgather_bucket_size": _integer("Elements all-gathered at a time.", 500_000_000, minimum=1),
+            "round_robin_gradients": _boolean("Stage 1/2: spread gradient copies over ranks round-robin.", False),
+            "stage3_prefetch_bucket_size": _integer(
+                'Stage 3: elements prefetched ahead; "auto": DeepSpeed\'s 5e7.',
+                AUTO,
+                minimum=0,
+                auto=True,
+            ),
+            "stage3_param_persistence_threshold": _integer(
+                'Stage 3: parameters smaller than this stay unpartitioned; "auto": 10 x hidden size (GPT), else 1e5.',
+                AUTO,
+                minimum=0,
+                auto=True,
+            ),
+            "stage3_max_live_parameters": _integer(
+                "Stage 3: most elements resident before release.", 1_000_000_000, minimum=0
+            ),
+            "stage3_max_reuse_distance": _integer(
+                "Stage 3: keep parameters reused within this many.", 1_000_000_000, minimum=0
+            ),
+            "stage3_gather_16bit_weights_on_model_save": _boolean(
+                "Stage 3: every checkpoint also holds the gathered weights, in the training precision, as "
+                'pytorch_model.bin (DeepSpeed\'s save_16bit_model). "auto": the zero3_save_16bit_model of the '
+                "accelerate DeepSpeed-plugin yaml the run was launched with, else false.",
+                False,
+                auto=True,
+            ),
+            "sub_group_size": _integer("Stage 3: elements per optimizer sub-group.", 1_000_000_000, minimum=1),
+        },
+        default={},
+    ),
 )
 
 _MONITOR_OUTPUT_PATH = {
@@ -356,38 +539,51 @@ _MONITOR_JOB_NAME = {
     "default": "DeepSpeedJobName",
 }
 
-_TENSORBOARD = _object(
-    "TensorBoard event files through DeepSpeed's monitor: the engine's metrics (as Train/Samples/<metric>, "
-    "x = samples seen) beside DeepSpeed's own Train/Samples events. Needs the tensorboard package.",
-    {
-        "enabled": _boolean("Write TensorBoard event files on rank 0.", False),
-        "output_path": _MONITOR_OUTPUT_PATH,
-        "job_name": _MONITOR_JOB_NAME,
-    },
-    default={},
+_TENSORBOARD = _deepspeed_section(
+    "tensorboard",
+    _object(
+        "TensorBoard event files through DeepSpeed's monitor: the engine's metrics (as Train/Samples/<metric>, "
+        "x = samples seen) beside DeepSpeed's own Train/Samples events. Needs the tensorboard package.",
+        {
+            "enabled": _boolean("Write TensorBoard event files on rank 0.", False),
+            "output_path": _MONITOR_OUTPUT_PATH,
+            "job_name": _MONITOR_JOB_NAME,
+        },
+        default={},
+    ),
 )
 
-_CSV_MONITOR = _object(
-    "CSV files through DeepSpeed's monitor, one per metric (<output_path>/<job_name>/Train_Samples_<metric>.csv, "
-    "columns step and the metric, step counting samples seen).",
-    {
-        "enabled": _boolean("Write CSV files on rank 0.", False),
-        "output_path": _MONITOR_OUTPUT_PATH,
-        "job_name": _MONITOR_JOB_NAME,
-    },
-    default={},
+_CSV_MONITOR = _deepspeed_section(
+    "csv_monitor",
+    _object(
+        "CSV files through DeepSpeed's monitor, one per metric (<output_path>/<job_name>/Train_Samples_<metric>.csv, "
+        "columns step and the metric, step counting samples seen).",
+        {
+            "enabled": _boolean("Write CSV files on rank 0.", False),
+            "output_path": _MONITOR_OUTPUT_PATH,
+            "job_name": _MONITOR_JOB_NAME,
+        },
+        default={},
+    ),
 )
 
-_WANDB = _object(
-    "Weights & Biases logging through DeepSpeed's monitor (the same events as tensorboard). Needs the wandb "
-    "package; WANDB_MODE=offline keeps it local.",
-    {
-        "enabled": _boolean("Log to W&B from rank 0.", False),
-        "group": {"type": ["string", "null"], "description": "W&B group the run joins.", "default": None},
-        "team": {"type": ["string", "null"], "description": "W&B team (entity); null: your default.", "default": None},
-        "project": {"type": "string", "description": "W&B project.", "default": "deepspeed"},
-    },
-    default={},
+_WANDB = _deepspeed_section(
+    "wandb",
+    _object(
+        "Weights & Biases logging through DeepSpeed's monitor (the same events as tensorboard). Needs the wandb "
+        "package; WANDB_MODE=offline keeps it local.",
+        {
+            "enabled": _boolean("Log to W&B from rank 0.", False),
+            "group": {"type": ["string", "null"], "description": "W&B group the run joins.", "default": None},
+            "team": {
+                "type": ["string", "null"],
+                "description": "W&B team (entity); null: your default.",
+                "default": None,
+            },
+            "project": {"type": "string", "description": "W&B project.", "default": "deepspeed"},
+        },
+        default={},
+    ),
 )
 
 DEEPSPEED_PROPERTIES: dict[str, dict] = {
@@ -408,7 +604,9 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "zero_optimization": _ZERO,
     "zero_allow_untested_optimizer": _boolean("Let ZeRO run optimizers DeepSpeed has not tested (SGD).", False),
     "zero_force_ds_cpu_optimizer": _boolean(
-        "Under offload_optimizer, insist on DeepSpeedCPUAdam (the fast host optimizer).", True
+        "Under offload_optimizer, refuse a client optimizer other than DeepSpeedCPUAdam (the fast host optimizer); "
+        "the config's own optimizer, torch_adam included, always passes.",
+        True,
     ),
     "steps_per_print": _integer(
         "DeepSpeed's own progress lines; the engine logs on its own, so this is rare by default.", 1000, minimum=1
@@ -420,6 +618,13 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "tensorboard": _TENSORBOARD,
     "csv_monitor": _CSV_MONITOR,
     "wandb": _WANDB,
+    **{key: model_schema(MODEL_SECTIONS[key]) for key in ("comet", "comms_logger", "compile", "hybrid_engine")},
+    "tensor_parallel": _feature("DeepSpeed's AutoTP tensor parallelism."),
+    "activation_checkpointing": _ACTIVATION_CHECKPOINTING,
+    "flops_profiler": _FLOPS_PROFILER,
+    "checkpoint": _CHECKPOINT,
+    **_DEEPSPEED_SCALARS,
+    **_FEATURES,
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -588,7 +793,8 @@ _TRAINER = _object(
             ["auto", "deepspeed", "accelerate"],
             "Which library trains: DeepSpeed (ZeRO, offload, pipeline and tensor parallelism) or accelerate "
             '(DDP for ZeRO stage 0, torch FSDP2 for stages 2 and 3). "auto": accelerate when started by '
-            "`accelerate launch`, DeepSpeed otherwise.",
+            "`accelerate launch` (unless its config yaml is a DeepSpeed plugin, which means DeepSpeed), DeepSpeed "
+            "otherwise.",
             "auto",
         ),
         "max_steps": _integer(

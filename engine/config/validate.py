@@ -13,13 +13,30 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import deepspeed
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
+from engine.config.deepspeed_schema import aliases, converted, removed_keys
 from engine.config.errors import ConfigIssue, json_path
 from engine.config.schema import SCHEMA
 
 _VALIDATOR = Draft202012Validator(SCHEMA)
+_ALIASES = aliases()
+# Keys refused with a reason of their own instead of "unknown key": DeepSpeed's removals, in its
+# words, and what DeepSpeed reads but ignores.
+_REASONS: dict[tuple, str] = {
+    **{path: f"removed from DeepSpeed: {message}" for path, message in removed_keys().items()},
+    ("optimizer", "params", "max_grad_norm"): "DeepSpeed does not apply max_grad_norm as an optimizer parameter (it "
+    "warns and trains unclipped); clip with the top-level gradient_clipping",
+    **{
+        (*alias.section, alias.old): f"an older spelling of {json_path([*alias.section, alias.new])}, which is also "
+        "given; keep only that one"
+        for alias in _ALIASES
+        if alias.new
+    },
+}
 
 
 def suggest(word: str, choices: list[str]) -> str:
@@ -46,6 +63,7 @@ def describe(schema: dict) -> str:
         "string": "a string",
         "null": "null",
         "array": "a list",
+        "object": "an object",
     }
     text = words.get(kind, f"a {kind}")
     if kind == "array" and "type" in schema.get("items", {}):
@@ -67,15 +85,35 @@ def _issues_for(error: ValidationError) -> Iterator[ConfigIssue]:
         allowed = sorted(error.schema.get("properties", {}))
         for key in sorted(set(error.instance) - set(allowed)):
             where = json_path([*error.absolute_path, key])
-            yield ConfigIssue(where, f"unknown key{suggest(key, allowed)}; allowed here: {', '.join(allowed)}")
+            reason = _REASONS.get((*error.absolute_path, key))
+            yield ConfigIssue(
+                where, reason or f"unknown key{suggest(key, allowed)}; allowed here: {', '.join(allowed)}"
+            )
     elif error.validator == "required":
         missing = error.message.split("'")[1]
         yield ConfigIssue(json_path([*error.absolute_path, missing]), "is required")
+    elif error.validator == "enum" and list(error.absolute_path) == ["optimizer", "type"]:
+        yield ConfigIssue(path, _optimizer_problem(str(error.instance)))
     elif error.validator == "enum":
         hint = suggest(str(error.instance), [str(choice) for choice in error.validator_value])
         yield ConfigIssue(path, f"{error.instance!r} is not {describe(error.schema)}{hint}")
     else:
         yield ConfigIssue(path, f"expected {describe(error.schema)}, got {error.instance!r}")
+
+
+def _optimizer_problem(name: str) -> str:
+    """Why an optimizer.type is refused: one DeepSpeed builds that the engine does not, or one DeepSpeed
+    does not know either (it would look the name up in torch.optim at run time)."""
+    if name.lower() in DEEPSPEED_OPTIMIZERS:
+        return (
+            f"{name!r} is a DeepSpeed optimizer this engine does not run: the accelerate backend and the "
+            "single-process reference build the optimizer from torch, so only Adam, AdamW and SGD mean the same "
+            "on every backend; use one of them"
+        )
+    return (
+        f"{name!r} is not an optimizer DeepSpeed {deepspeed.__version__} builds ({', '.join(DEEPSPEED_OPTIMIZERS)})"
+        f"{suggest(name, ['Adam', 'AdamW', 'SGD'])}; use Adam, AdamW or SGD"
+    )
 
 
 def schema_issues(document: Any) -> list[ConfigIssue]:
@@ -100,14 +138,49 @@ def _non_finite(instance: Any, path: list) -> Iterator[ConfigIssue]:
 
 
 def canonical_spellings(document: dict) -> dict:
-    """A copy of `document` with `optimizer.type` spelled as the schema spells it: DeepSpeed reads
-    optimizer names in any case ("adamw" is its AdamW), so a ds_config that works there is valid here."""
+    """A copy of `document` spelled as the schema spells it, as DeepSpeed reads it.
+
+    DeepSpeed reads optimizer names in any case ("adamw" is its AdamW), and reads some keys under
+    other names: deprecated aliases (`stage3_gather_fp16_weights_on_model_save`, top-level
+    `bfloat16`) and its models' field names beside their documented spellings. Each is renamed to
+    the current key, its value converted as DeepSpeed converts it; one given together with its
+    current key is left for the schema to refuse."""
+    document = copy.deepcopy(document)
     optimizer = document.get("optimizer")
-    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("type"), str):
-        return document
-    names = SCHEMA["properties"]["optimizer"]["properties"]["type"]["enum"]
-    spelled = {name.lower(): name for name in names}.get(optimizer["type"].lower(), optimizer["type"])
-    return {**document, "optimizer": {**optimizer, "type": spelled}}
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
+        names = SCHEMA["properties"]["optimizer"]["properties"]["type"]["enum"]
+        optimizer["type"] = {name.lower(): name for name in names}.get(optimizer["type"].lower(), optimizer["type"])
+    for alias in _ALIASES:
+        section = _section(document, alias.section)
+        if section is None or alias.old not in section or (alias.new and alias.new in section):
+            continue
+        value = section.pop(alias.old)
+        if alias.new:
+            new_value = converted(alias, value)
+            if new_value is not None:
+                section[alias.new] = new_value
+    return document
+
+
+def spelling_notices(document: dict) -> list[str]:
+    """One line for each deprecated key in `document` that `canonical_spellings` renames or drops."""
+    notices = []
+    for alias in _ALIASES:
+        section = _section(document, alias.section)
+        if not alias.deprecated or section is None or alias.old not in section:
+            continue
+        old = json_path([*alias.section, alias.old])
+        if alias.new:
+            notices.append(f"{old} is deprecated in DeepSpeed; read as {json_path([*alias.section, alias.new])}")
+        else:
+            notices.append(f"{old} is deprecated in DeepSpeed, which ignores it; dropped")
+    return notices
+
+
+def _section(document: dict, path: tuple[str, ...]) -> dict | None:
+    for key in path:
+        document = document.get(key) if isinstance(document, dict) else None
+    return document if isinstance(document, dict) else None
 
 
 def fill_defaults(document: dict) -> dict:

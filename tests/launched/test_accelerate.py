@@ -1,10 +1,12 @@
 """The accelerate backend, launched for real with `accelerate launch` (2 CPU processes, gloo):
 DDP and torch FSDP2 from the same JSON config train the same numbers as the single-process
 reference (which the DeepSpeed backend matches too: tests/launched/test_parity.py), FSDP really shards,
-resume is exact, and the launcher's own settings cannot contradict the config."""
+resume is exact, and the launcher's own settings cannot contradict the config. A DeepSpeed-plugin
+yaml (`distributed_type: DEEPSPEED`) trains on the DeepSpeed backend as the `deepspeed` launcher does."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from models import get_family
 from tests.support.compare import (
@@ -24,7 +27,7 @@ from tests.support.compare import (
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import ROOT, free_port, launch_accelerate, run_to_end
+from tests.support.launch import ROOT, free_port, launch, launch_accelerate, run_launcher, run_to_end
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
@@ -223,3 +226,65 @@ def test_what_the_accelerate_backend_cannot_do_is_refused(overrides: dict, expec
     result = subprocess.run([*command, *sets], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert expected in result.stderr
+
+
+def zero2_config(directory: Path) -> Path:
+    """configs/tiny_gpt.json under ZeRO-2, written where a yaml can name it. One thread per rank:
+    `accelerate launch` sets OMP_NUM_THREADS=1 and the deepspeed launcher does not, and matrix
+    products summed over other thread counts round differently."""
+    document = json.loads((ROOT / CONFIGS["gpt"]).read_text())
+    document["zero_optimization"]["stage"] = 2
+    document["trainer"]["threads_per_rank"] = 1
+    path = directory / "zero2.json"
+    path.write_text(json.dumps(document, indent=2))
+    return path
+
+
+def deepspeed_plugin_yaml(directory: Path, deepspeed_config_file: Path, zero_stage: int) -> Path:
+    """The yaml `accelerate config` writes for 2 processes with a DeepSpeed plugin."""
+    settings = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {
+            "deepspeed_config_file": str(deepspeed_config_file),
+            "zero_stage": zero_stage,
+            "offload_optimizer_device": "none",
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "zero3_init_flag": False,
+        },
+        "mixed_precision": "no",
+        "num_machines": 1,
+        "machine_rank": 0,
+        "num_processes": 2,
+        "rdzv_backend": "static",
+        "same_network": True,
+    }
+    path = directory / "ds.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
+@pytest.mark.launch
+def test_a_deepspeed_plugin_yaml_trains_on_deepspeed_as_the_deepspeed_launcher_does(tmp_path: Path):
+    config = zero2_config(tmp_path)
+    config_file = deepspeed_plugin_yaml(tmp_path, config, zero_stage=2)
+    run = launch_accelerate(str(config), {}, tmp_path / "accelerate", config_file=config_file)
+    resolved = json.loads((run.output_dir / "resolved_config.json").read_text())
+    assert resolved["trainer"]["backend"] == "deepspeed" and resolved["zero_optimization"]["stage"] == 2
+    assert "on 2 rank(s), deepspeed backend, ZeRO stage 2" in run.stdout, run.stdout[-3000:]
+    reference = launch(str(config), {}, tmp_path / "deepspeed")
+    assert len(run.losses) == 5
+    assert run.losses == reference.losses
+
+
+@pytest.mark.launch
+def test_a_deepspeed_plugin_yaml_contradicting_the_config_is_refused_before_any_process_group(tmp_path: Path):
+    config = zero2_config(tmp_path)
+    config_file = deepspeed_plugin_yaml(tmp_path, config, zero_stage=3)
+    launcher = ["accelerate", "launch", "--config_file", str(config_file), "--main_process_port", str(free_port())]
+    result = run_launcher(launcher, str(config), {}, tmp_path / "run", {})
+    assert result.returncode != 0
+    message = f"{config_file.resolve()} sets zero_stage 3 but {config.resolve()} has zero_optimization.stage 2"
+    assert message in result.stderr, result.stderr[-4000:]
+    assert not (tmp_path / "run" / "logs").exists()  # each rank's log starts with its process group

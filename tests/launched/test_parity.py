@@ -56,7 +56,15 @@ CONFIGS = {"gpt": "configs/tiny_gpt.json", "llama": "configs/llama_tiny.json", "
 # Each mode runs GPT with clipping (each ZeRO stage computes the global norm its own way) and
 # ResNet without (BatchNorm and convolutions, held to the tighter unclipped tolerance). Llama runs
 # ZeRO-3 alone: its decoder built partitioned, with grouped-query attention and an untied head.
-CASES = [(variant, family, clipping) for variant in VARIANTS for family, clipping in (("gpt", 1.0), ("resnet", 0.0))]
+# GPT's offloaded rows are trained from real DeepSpeed configs instead
+# (tests/launched/test_deepspeed_corpus_launched.py): the same paths, as users' configs reach them.
+CORPUS_COVERED = {("zero2_offload_optimizer", "gpt"), ("zero3_offload_param", "gpt")}
+CASES = [
+    (variant, family, clipping)
+    for variant in VARIANTS
+    for family, clipping in (("gpt", 1.0), ("resnet", 0.0))
+    if (variant.name, family) not in CORPUS_COVERED
+]
 CASES.append((VARIANTS[3], "llama", 1.0))
 
 

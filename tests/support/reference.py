@@ -59,10 +59,15 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     seed_everything(trainer.seed)
     model = family.build(config.model.fields)
     model.train()
-    offload = doc["zero_optimization"]["offload_optimizer"]["device"] != "none" and trainer.backend == "deepspeed"
-    # Under optimizer offload DeepSpeed runs its C++ CPU Adam, whose arithmetic differs from torch's
-    # Adam in the last bit; the reference uses the same class, so the comparison measures what
-    # ZeRO and offload do (partitioning, moving, reducing), not two Adam kernels.
+    offload = (
+        doc["zero_optimization"]["offload_optimizer"]["device"] != "none"
+        and trainer.backend == "deepspeed"
+        and not doc["optimizer"]["params"].get("torch_adam")
+    )
+    # Under optimizer offload DeepSpeed runs its C++ CPU Adam (torch's with torch_adam), whose
+    # arithmetic differs from torch's Adam in the last bit; the reference uses the same class, so
+    # the comparison measures what ZeRO and offload do (partitioning, moving, reducing), not two
+    # Adam kernels.
     groups = parameter_groups(model.parameters(), doc["optimizer"], trainer.weight_decay_on)
     optimizer = build_optimizer(doc["optimizer"], groups, cpu_adam=offload)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)

@@ -98,14 +98,17 @@ def test_minimal_config_gets_explicit_defaults():
             with_changes(optimizer={"type": "AdamW", "params": {"momentum": 0.9}}),
             "optimizer.params.momentum: unknown key",
         ),
-        (with_changes(optimizer={"type": "AdamX"}), "optimizer.type: 'AdamX' is not one of"),
+        (with_changes(optimizer={"type": "AdamX"}), "optimizer.type: 'AdamX' is not an optimizer DeepSpeed"),
         (with_changes(optimizer={"params": {"lr": "abc"}}), "optimizer.params.lr: expected a number > 0"),  # AdamW's
         (
             with_changes(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 1}}),
-            "scheduler.params.warmup_num_steps: expected an integer >= 2, got 1",  # DeepSpeed would run 2
+            'scheduler.params.warmup_num_steps: expected an integer >= 2 or "auto", got 1',  # DeepSpeed would run 2
         ),
         (with_changes(model__preset="125M"), "model.preset: '125M' is not one of"),
-        (with_changes(zero_optimization__stage=4), "zero_optimization.stage: expected an integer >= 0 <= 3, got 4"),
+        (
+            with_changes(zero_optimization__stage=4),
+            'zero_optimization.stage: expected an integer >= 0 <= 3 or "auto", got 4',
+        ),
         (
             with_changes(train_micro_batch_size_per_gpu="two"),
             'train_micro_batch_size_per_gpu: expected an integer >= 1 or "auto"',
@@ -141,11 +144,6 @@ def test_every_schema_error_is_reported_at_once():
             with_changes(train_batch_size=8, gradient_accumulation_steps=3),
             1,
             "train_batch_size: 8 != train_micro_batch_size_per_gpu 2",
-        ),
-        (
-            {**with_changes(), "train_micro_batch_size_per_gpu": "auto"},
-            1,
-            "train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu",
         ),
         (
             with_changes(fp16={"enabled": True}, bf16={"enabled": True}, zero_optimization={"stage": 1}),
@@ -202,14 +200,6 @@ def test_every_schema_error_is_reported_at_once():
             "optimizer.type: SGD cannot run under offload_optimizer",
         ),
         (
-            with_changes(
-                optimizer={"type": "AdamW", "params": {"torch_adam": True}},
-                zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
-            ),
-            1,
-            "optimizer.params.torch_adam: torch_adam under offload_optimizer",
-        ),
-        (
             with_changes(optimizer={"type": "SGD"}, zero_optimization={"stage": 1}),
             1,
             "zero_allow_untested_optimizer: DeepSpeed runs SGD under ZeRO only",
@@ -250,7 +240,7 @@ def test_every_schema_error_is_reported_at_once():
         (
             with_changes(optimizer={"type": "AdamW", "params": {"betas": [0.9, 0.99, 0.9]}}),
             1,
-            "optimizer.params.betas: expected a list of 2 numbers, got [0.9, 0.99, 0.9]",
+            'optimizer.params.betas: expected a list of 2 numbers or "auto", got [0.9, 0.99, 0.9]',
         ),
         (with_changes(model__n_head=3), 1, "model.n_head: 3 heads do not divide n_embd 32"),
         (with_changes(data__seq_len=128), 1, "data.seq_len: 128 is longer than model.n_positions 64"),

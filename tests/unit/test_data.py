@@ -606,6 +606,7 @@ def image_folder(tmp_path):
 def test_image_folder_with_validation_split(image_folder):
     images = load_image_datasets(image_folder(True), **image_options(image_size=16))
     assert (len(images.train), len(images.validation), images.num_classes) == (8, 4, 2)
+    assert images.class_names == ["cat", "dog"]
     assert images.train[0]["pixel_values"].shape == (3, 16, 16)
     assert sorted(images.validation[i]["labels"].item() for i in range(4)) == [0, 0, 1, 1]
     torch.testing.assert_close(images.validation[1], images.validation.sample(1, epoch=7))
@@ -676,12 +677,15 @@ def test_build_datasets_synthetic_defaults_and_sizes():
     assert build(data_config(type="synthetic"), "gpt", seq_len=16, vocab_size=99).vocab_size == 99
     images = build(data_config(type="synthetic", num_samples=50, image_size=8), "resnet", num_classes=7)
     assert images.num_classes == 7 and images.vocab_size is None
+    assert images.class_names is None and images.image_transform is None  # nothing for an export to carry
     assert images.train[0]["pixel_values"].shape == (3, 8, 8)
 
 
 def test_build_datasets_image_and_config_errors(cifar_dir):
     bundle = build(data_config(type="image", path=str(cifar_dir)), "resnet")
     assert bundle.num_classes == 10 and len(bundle.train) == 20 and bundle.tokenizer is None
+    assert bundle.class_names[:3] == ["airplane", "automobile", "bird"] and bundle.class_names[9] == "truck"
+    assert bundle.image_transform == bundle.validation.transform and not bundle.image_transform.augment
     loader = make_train_loader(bundle.train, micro_batch_size=4, grad_accum=1, dp_rank=0, dp_size=1, seed=0)
     batch = next(loader)
     assert batch["pixel_values"].shape == (4, 3, 32, 32) and batch["labels"].shape == (4,)

@@ -7,11 +7,16 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from torch.utils.data import default_collate
 from transformers import AutoModelForImageClassification, GPT2LMHeadModel, ResNetConfig, ResNetForImageClassification
 
+from data import DataBundle, build_datasets
+from engine.checkpoints.export import export_model
 from models import FAMILIES, ModelFamily, count_parameters, get_family
 from models.gpt import gpt2_config
 from models.resnet import torchvision_available
@@ -382,6 +387,7 @@ def test_resnet_export_loads_back_with_identical_logits(tmp_path: Path):
         "preset": "resnet18",
         "num_classes": 10,
         "implementation": "transformers",
+        "labels": [f"LABEL_{index}" for index in range(10)],
     }
     # The weights must load into transformers' own class, built without the engine.
     config = ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512], num_labels=10)
@@ -398,6 +404,84 @@ def test_resnet_export_loads_back_with_identical_logits(tmp_path: Path):
             AutoModelForImageClassification.from_pretrained(tmp_path),
         ):
             torch.testing.assert_close(loaded(pixel_values).logits, expected, rtol=0, atol=0)
+
+
+def image_folder_bundle(root: Path, image_size: int = 32) -> DataBundle:
+    """Three classes of random RGB PNGs, wider and taller than `image_size` in turn, so that every
+    image is resized and cropped, loaded as a run loads `data.type` "image"."""
+    rng = np.random.default_rng(3)
+    for label in ("cat", "dog", "ship"):
+        (root / label).mkdir(parents=True)
+        for index, (height, width) in enumerate([(37, 45), (50, 35), (41, 41), (33, 60)]):
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / label / f"{index}.png")
+    data = {
+        "type": "image",
+        "path": str(root),
+        "image_size": image_size,
+        "augment": True,
+        "mean": [0.4914, 0.4822, 0.4465],
+        "std": [0.247, 0.243, 0.261],
+        "validation_fraction": 0.25,
+    }
+    return build_datasets(data, samples="images", seed=0, seq_len=None, vocab_size=None, num_classes=None)
+
+
+def test_resnet_export_classifies_an_image_through_transformers_pipeline_as_the_engine_does(tmp_path: Path):
+    """The export as transformers' users load it: `pipeline("image-classification", model=dir)` finds
+    the image processor and the class names beside the model, and its logits for a raw image are
+    the engine's for its own evaluation preprocessing of that image."""
+    from transformers import AutoImageProcessor, pipeline
+
+    bundle = image_folder_bundle(tmp_path / "images")
+    section = {**SMALL_RESNET, "num_classes": 3}
+    model = seeded_build(RESNET, section)
+    RESNET.compute_loss(model, default_collate([bundle.train[index] for index in range(4)])).backward()
+    torch.optim.SGD(model.parameters(), lr=0.01).step()
+    model.eval()
+    export_dir = tmp_path / "export"
+    export_model(
+        RESNET,
+        model.state_dict(),
+        section,
+        export_dir,
+        image_transform=bundle.image_transform,
+        class_names=bundle.class_names,
+    )
+
+    assert bundle.class_names == ["cat", "dog", "ship"]
+    processor = AutoImageProcessor.from_pretrained(export_dir)
+    classifier = pipeline("image-classification", model=str(export_dir), device="cpu")
+    for index in range(len(bundle.validation)):
+        picture = Image.fromarray(bundle.validation.source.image(index).permute(1, 2, 0).numpy())
+        assert picture.size != (32, 32)
+        engine_pixels = bundle.validation[index]["pixel_values"]
+        processed = processor(images=picture, return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(processed, engine_pixels, rtol=0, atol=0)
+
+        with torch.no_grad():
+            engine_logits = model(engine_pixels[None]).logits[0]
+        scores = classifier(picture, top_k=None, function_to_apply="none")
+        logits = {score["label"]: score["score"] for score in scores}
+        assert sorted(logits) == bundle.class_names
+        piped = torch.tensor([logits[name] for name in bundle.class_names])
+        torch.testing.assert_close(piped, engine_logits, rtol=0, atol=1e-6)
+        top = classifier(picture)[0]
+        assert top["label"] == bundle.class_names[int(engine_logits.argmax())]
+        assert top["score"] == pytest.approx(float(engine_logits.softmax(-1).max()), abs=1e-6)
+
+
+def test_resnet_export_labels_outputs_the_data_has_no_class_for_and_refuses_extra_names(tmp_path: Path):
+    state_dict = trained_resnet().state_dict()
+    RESNET.export(state_dict, SMALL_RESNET, tmp_path, ["cat", "dog", "ship"])
+    config = ResNetConfig.from_pretrained(tmp_path)
+    assert config.id2label == {0: "cat", 1: "dog", 2: "ship", **{i: f"LABEL_{i}" for i in range(3, 10)}}
+    assert config.label2id == {label: index for index, label in config.id2label.items()}
+    assert json.loads((tmp_path / "export.json").read_text())["labels"] == list(config.id2label.values())
+    with pytest.raises(ValueError, match="11 class names for a classifier of 10 outputs"):
+        RESNET.export(state_dict, SMALL_RESNET, tmp_path, [f"class {i}" for i in range(11)])
+    with pytest.raises(ValueError, match="no classes"):
+        GPT.export(trained_gpt().state_dict(), TINY_GPT, tmp_path, ["cat"])
 
 
 def test_resnet_init_from_an_export_keeps_its_weights_and_refuses_another_head(tmp_path: Path):

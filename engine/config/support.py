@@ -1,0 +1,133 @@
+"""Valid DeepSpeed that this engine cannot honour, refused with the reason instead of ignored.
+
+DeepSpeed accepts a key and acts on it only where the rest of the program takes part: DeepSpeed-
+Chat's hybrid engine needs an RLHF loop, DeepSpeed's data efficiency its own sampler, AutoTP a model
+it can rewrite. Here such a key would be read and do nothing, so it is refused where it is on, and
+the README's table lists them. Under the accelerate backend every DeepSpeed-only key a config sets
+away from its default is refused, naming `trainer.backend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from engine.config.errors import ConfigIssue, json_path
+from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
+from engine.launch.detect import effective_backend
+
+# Top-level DeepSpeed sections the engine refuses where they are on (`enabled` true, or present for a
+# section without that switch), and why.
+UNSUPPORTED: dict[str, str] = {
+    "hybrid_engine": "DeepSpeed-Chat's hybrid engine switches an RLHF actor between generation and training inside "
+    "its own loop; this engine trains one model on a corpus",
+    "data_efficiency": "curriculum learning and random-LTD need DeepSpeed's data sampler and model hooks; the engine "
+    "samples its own data (data.*)",
+    "tensor_parallel": "DeepSpeed's AutoTP rewrites the model's layers; the engine's tensor parallelism is "
+    "parallel.tensor_parallel_size (Megatron-style, in models/)",
+    "expert_parallel": "no model family here has mixture-of-experts layers",
+    "sequence_parallel_size": "DeepSpeed-Ulysses needs its distributed attention inside the model; the model families "
+    "here do not call it",
+    "autotuning": "DeepSpeed's autotuner runs its own trial jobs under `deepspeed --autotuning`; `python -m engine "
+    "plan` sizes layouts here",
+    "weight_quantization": "post-training weight quantization is for inference; the engine trains",
+    "datastates": "DataStates-LLM needs its own package; the engine's checkpoints are written by DeepSpeed and "
+    "published atomically (engine/checkpoints)",
+    "aio": "it tunes NVMe offload, which the engine does not run",
+}
+
+# What the accelerate backend reads of the DeepSpeed keys (engine/backends/accelerate_backend.py,
+# optim.py, observability/sinks.py); a key is honoured where it or a section above it is listed.
+ACCELERATE_HONOURS = {
+    ("train_batch_size",),
+    ("train_micro_batch_size_per_gpu",),
+    ("gradient_accumulation_steps",),
+    ("gradient_clipping",),
+    ("optimizer",),
+    ("scheduler",),
+    ("fp16", "enabled"),
+    ("bf16", "enabled"),
+    ("bf16", "check_grad_overflow"),
+    ("torch_autocast",),
+    ("data_types", "buffer_dtype"),
+    ("zero_optimization", "stage"),
+    ("zero_optimization", "offload_optimizer", "device"),
+    ("zero_optimization", "offload_param", "device"),
+    ("tensorboard",),
+    ("csv_monitor",),
+    ("wandb",),
+    ("comet",),
+    ("timers",),
+}
+
+
+def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
+    """Every DeepSpeed feature in `document` the engine cannot honour on any backend."""
+    for key, reason in UNSUPPORTED.items():
+        value = document.get(key)
+        on = value.get("enabled", True) is not False if isinstance(value, dict) else value is not None
+        if key in document and on:
+            yield ConfigIssue(key, f"valid DeepSpeed, but not supported by this engine: {reason}")
+    zero = document["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        if zero[section]["device"] == "nvme":
+            yield ConfigIssue(
+                f"zero_optimization.{section}.device",
+                "NVMe offload is not supported by this engine: it needs DeepSpeed's async_io op and a local NVMe "
+                'path, and the engine\'s memory plan counts host memory only; use "cpu"',
+            )
+    pipelined = document["parallel"]["pipeline_parallel_size"] > 1
+    if "pipeline" in document and not pipelined:
+        yield ConfigIssue(
+            "pipeline",
+            "DeepSpeed's pipeline options apply to pipeline stages only; set parallel.pipeline_parallel_size > 1 "
+            "or drop the section",
+        )
+    checkpointing = document.get("activation_checkpointing", {})
+    if any(value is True for value in checkpointing.values()) and not pipelined:
+        yield ConfigIssue(
+            "activation_checkpointing",
+            "DeepSpeed's activation checkpointing runs inside its pipeline engine only; a whole model recomputes "
+            "through model.activation_checkpointing (torch's checkpoint, which has none of these options)",
+        )
+    if document["optimizer"]["params"].get("bias_correction") is False:
+        yield ConfigIssue(
+            "optimizer.params.bias_correction",
+            "false is not supported: torch's Adam, which the accelerate backend and the single-process reference "
+            "run, always corrects bias; drop the key",
+        )
+
+
+def backend_issues(given: dict, document: dict) -> Iterator[ConfigIssue]:
+    """DeepSpeed-only keys that `given` (the config as written) sets away from their default while
+    the accelerate backend runs it: DeepSpeed would act on them, accelerate never reads them."""
+    if effective_backend(document["trainer"]["backend"]) != "accelerate":
+        return
+    for path, value in _leaves({key: value for key, value in given.items() if key in DEEPSPEED_PROPERTIES}, ()):
+        if any(path[: len(honoured)] == honoured for honoured in ACCELERATE_HONOURS):
+            continue
+        if value == AUTO or value == _default_at(path) or value is False or value is None:
+            continue
+        yield ConfigIssue(
+            json_path(list(path)),
+            f"{value!r} is a DeepSpeed setting the accelerate backend (trainer.backend) does not run; drop it, or "
+            'train on the DeepSpeed backend (trainer.backend "deepspeed")',
+        )
+
+
+def _leaves(value: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    else:
+        yield path, value
+
+
+def _default_at(path: tuple) -> Any:
+    """The schema's default of the key at `path`, or a marker nothing equals."""
+    schema: dict = {"properties": DEEPSPEED_PROPERTIES}
+    for key in path:
+        schema = schema.get("properties", {}).get(key)
+        if schema is None:
+            return object()
+    return schema.get("default", object())
