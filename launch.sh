@@ -15,11 +15,18 @@
 # too, and the engine's, NCCL_*, OMP_NUM_THREADS and .deepspeed_env variables reach every rank), or
 # with --no-ssh one node per invocation. The hostfile is checked and the world size it implies
 # validated against the config before anything starts.
+#
+# Signals: SIGTERM, SIGUSR1, SIGUSR2 and SIGINT to this script go to the ranks alone, not to the
+# launcher (a second one too: the ranks take it as "stop now"); on trainer.signals they save and exit
+# 75. The launcher then sees them end and exits; this script waits for it, and for ranks still saving
+# should it have died first. Its exit code is 75 when every rank that recorded an exit code (in
+# ENGINE_RANK_EXITS, a temporary directory) recorded 75, else the launcher's. Before any rank has
+# started, a signal goes to the launcher's whole process tree. (engine/launch/signals.py)
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 nproc_arg="" master_port="" launcher="deepspeed" hostfile="" node_rank="" master_addr="" no_ssh=0
 include="" exclude="" num_nodes="" ssh_port=""
@@ -130,17 +137,39 @@ case "$launcher" in
 esac
 cmd+=(engine/main.py --deepspeed_config "$config" "$@")
 
+# Each rank records its exit code here (engine/launch/signals.py); both files go when this script ends.
+rank_exits=$(mktemp -d "${TMPDIR:-/tmp}/engine_exits.XXXXXX")
+env_file=""
+trap 'rm -rf "$rank_exits" ${env_file:+"$env_file"}' EXIT
+export ENGINE_RANK_EXITS="$rank_exits"
+
 if [[ "$ssh_route" == 1 ]]; then
   # Ranks started over ssh see a fresh login environment: hand DeepSpeed the variables they need.
   env_file=$(mktemp "${TMPDIR:-/tmp}/engine_env.XXXXXX")
-  trap 'rm -f "$env_file"' EXIT
   "$PYTHON" -m engine launch-env "$env_file" >&2
   export DS_ENV_FILE="$env_file"
   echo "+ export DS_ENV_FILE=$env_file" >&2
-  echo "+ ${cmd[*]}" >&2
-  rc=0
-  "${cmd[@]}" || rc=$?
-  exit "$rc"
 fi
 echo "+ ${cmd[*]}" >&2
-exec "${cmd[@]}"
+
+# A trapped signal ends `wait` early: wait again until $1 has ended, then return its status (bash
+# keeps it for a second `wait`).
+wait_for() {
+  while kill -0 "$1" 2>/dev/null; do wait "$1" || true; done
+  wait "$1"
+}
+forward() { "$PYTHON" -m engine.launch.signals forward "$launcher" "$1" || true; }
+
+# bash starts a background command with SIGINT and SIGQUIT ignored: give the launcher their defaults.
+( trap - INT QUIT; exec "${cmd[@]}" ) &
+launcher=$!
+for signal in TERM USR1 USR2 INT; do trap "forward $signal" "$signal"; done
+rc=0
+wait_for "$launcher" || rc=$?
+# A launcher killed by a signal can leave ranks that are still saving: wait for them (signals now go
+# to them, launcher 0), then exit with the job's code.
+launcher=0
+"$PYTHON" -m engine.launch.signals exit-code "$rank_exits" "$rc" &
+rc=0
+wait_for $! || rc=$?
+exit "$rc"

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.backends.base import Backend, StepHooks
 from engine.failures.nonfinite import SKIP, DeferredHealth, NonfiniteGuard, NonfinitePolicy, step_health
+from engine.failures.preemption import StopRequests
 from engine.observability.flops import achieved_flops_per_device, mfu
 from engine.observability.memory import rank_memory
 from engine.observability.metrics import MetricsLogger
@@ -38,11 +39,32 @@ class LoopSettings:
     nonfinite: NonfinitePolicy
     flops_per_item: int  # model FLOPs to train on one token or image (ModelFamily.flops_per_item)
     peak_flops: float | None  # one device's dense peak, None where no MFU is claimed
+    parameters: int = 0  # the model's, for a save's duration before one is measured
+    stops: StopRequests | None = field(default=None, compare=False)  # signals and trainer.max_wall_time
 
 
-def evaluate(backend: Backend, family: ModelFamily, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict:
-    """Metrics over the validation batches of every rank (sums reduced, then averaged)."""
-    sums = all_reduce_sum(backend.eval_sums(batches))
+@dataclass(frozen=True)
+class LoopEnd:
+    """How the loop ended: the last step saved, and why it stopped before max_steps (None: it did not)."""
+
+    saved: int
+    stopped: str | None = None
+
+
+def evaluate(
+    backend: Backend,
+    family: ModelFamily,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    stops: StopRequests | None = None,
+) -> dict:
+    """Metrics over the validation batches of every rank (sums reduced, then averaged). A signal cuts
+    the evaluation short at the same batch on every rank; its metrics are then left out."""
+    if stops is not None:
+        batches = stops.until_signalled(batches)
+    sums = backend.eval_sums(batches)
+    if stops is not None and stops.cut_short:
+        return {}
+    sums = all_reduce_sum(sums)
     return {f"eval_{key}": value for key, value in family.summarize_eval(sums).items()}
 
 
@@ -56,14 +78,16 @@ def train(
     save: Callable[[int], object],
     start_step: int,
     hooks: StepHooks,
-) -> int:
-    """Run from `start_step` to `settings.max_steps`; returns the last step saved. `hooks` are
-    called around each optimizer step."""
+) -> LoopEnd:
+    """Run from `start_step` to `settings.max_steps`, or until `settings.stops` asks for a stop with a
+    save; returns how it ended. `hooks` are called around each optimizer step."""
     step, saved = start_step, start_step
+    stops = settings.stops
     window_start, window_steps = time.perf_counter(), 0
     guard = NonfiniteGuard(settings.nonfinite)
     deferred = None if every_step_decides(backend, settings) else DeferredHealth(backend.device)
     while step < settings.max_steps:
+        boundary = time.perf_counter()
         lr = backend.learning_rate()
         hooks.before_step(step + 1)
         eval_due = step + 1 == settings.max_steps or (
@@ -98,16 +122,35 @@ def train(
                 "skipped_steps": guard.skipped,
             }
             if eval_due:
-                record.update(evaluate(backend, family, eval_batches()))
+                hooks.before_eval(step)
+                record.update(evaluate(backend, family, eval_batches(), stops))
             ranks = gather_to_main(rank_memory(backend.state_watch))
             if ranks is not None:
                 record["ranks"] = ranks
             logger.log(record)
             window_start, window_steps = time.perf_counter(), 0
+        step_s = time.perf_counter() - boundary
         if save_due:
-            save(step)
+            timed_save(save, step, stops)
             saved = step
-    return saved
+        reason = None if stops is None else stops.reason_to_stop(step_s, settings.parameters)
+        if reason is not None and step < settings.max_steps:
+            if saved != step:
+                if deferred is not None and (first_bad := deferred.read()) is not None:
+                    guard.check(*first_bad, loss_scale=None)  # never save a step that went bad
+                timed_save(save, step, stops)
+                saved = step
+            logger.write(f"{reason}: saved step {step} and stopped (exit code 75)")
+            return LoopEnd(saved, reason)
+    return LoopEnd(saved)
+
+
+def timed_save(save: Callable[[int], object], step: int, stops: StopRequests | None) -> None:
+    """Save `step`, timing it for trainer.max_wall_time's margin."""
+    started = time.perf_counter()
+    save(step)
+    if stops is not None:
+        stops.last_save_s = time.perf_counter() - started
 
 
 def every_step_decides(backend: Backend, settings: LoopSettings) -> bool:

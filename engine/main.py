@@ -34,6 +34,9 @@ if __name__ == "__main__":
     if should_supervise():
         sys.exit(supervise(__file__, sys.argv[1:]))
     from engine.cli import train_main
+    from engine.launch.signals import record_rank_exit
 
     _finished.append(train_main())
+    # For launch.sh, whose launcher may report a rank's 75 (saved on preemption) as its own failure.
+    record_rank_exit(_finished[0])
     sys.exit(_finished[0])

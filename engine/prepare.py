@@ -19,13 +19,16 @@ from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layout
 from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
+from engine.config.stop_keys import parse_duration
 from engine.failures.faults import Fault, fault_from_env
+from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
 from models import get_family
+from models.common import count_parameters
 
 
 class RunError(Exception):
@@ -137,6 +140,7 @@ class Prepared:
     layout: SavedLayout  # this run's, recorded with each of its checkpoints
     reshape: bool  # saved on another layout: resume through a universal checkpoint
     fault: Fault | None
+    parameters: int = 0  # the model's, counted where trainer.max_wall_time needs a save's duration
 
 
 def prepare(config_path: str, overrides: list[str]) -> Prepared:
@@ -161,9 +165,29 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         layout = checkpoint_layout(config, bundle)
         reshape = resume is not None and needs_conversion(saved, layout, resume.path)
         fault = fault_from_env()
+        parameters = check_wall_time(config)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault)
+    return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault, parameters)
+
+
+def check_wall_time(config: EngineConfig) -> int:
+    """The model's parameter count where trainer.max_wall_time is set (0 elsewhere), after refusing a
+    limit shorter than one save of the model (its checkpointed bytes at a conservative write rate):
+    such a run would stop before its first step. Counted on the meta device: nothing is allocated."""
+    limit = config.trainer.max_wall_time
+    if limit is None:
+        return 0
+    family = get_family(config.model.family)
+    with torch.device("meta"):
+        parameters = count_parameters(family.build(config.model.fields))
+    save_s = estimated_save_s(parameters)
+    if parse_duration(limit) <= save_s:
+        raise ValueError(
+            f"trainer.max_wall_time {limit!r} is shorter than one save of this model (about {save_s:.0f} s for "
+            f"{parameters:,} parameters); allow more time"
+        )
+    return parameters
 
 
 def check_launch(config: EngineConfig, config_path: str, overrides: list[str], hardware: Hardware) -> None:

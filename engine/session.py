@@ -41,7 +41,7 @@ def run(config_path: str, overrides: list[str], hooks: StepHooks | None = None) 
     if env_world_size() > 1:
         watchdog = Watchdog(env_rank(), env_world_size(), trainer.comm_timeout_s, output.announce).start()
     try:
-        Trainer(prepared, device, hooks or FaultHooks(prepared.fault, env_rank())).run()
+        code = Trainer(prepared, device, hooks or FaultHooks(prepared.fault, env_rank())).run()
         # Rank 0 is still drawing plots: the watchdog keeps watching until every rank is here.
         barrier()
     except Exception as error:
@@ -50,4 +50,4 @@ def run(config_path: str, overrides: list[str], hooks: StepHooks | None = None) 
         watchdog.stop()
     barrier()  # rank 0 hosts the store: it leaves only once every watchdog has written `done` there
     destroy_process_group()
-    return 0
+    return code

@@ -17,7 +17,10 @@ from engine.backends.prefetch import DevicePrefetcher
 from engine.checkpoints.export import export_model, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
+from engine.config.stop_keys import parse_duration, signal_number
 from engine.failures.nonfinite import NonfinitePolicy
+from engine.failures.preemption import StopRequests
+from engine.launch.signals import EXIT_PREEMPTED
 from engine.loop import LoopSettings, train
 from engine.observability.metrics import MetricsLogger
 from engine.observability.plots import write_plots
@@ -48,8 +51,9 @@ class Trainer:
             before_publish=hooks.before_publish,
         )
 
-    def run(self) -> None:
-        """Build, resume, train, save and export."""
+    def run(self) -> int:
+        """Build, resume, train, save and export; the exit code (EXIT_PREEMPTED when a signal or
+        trainer.max_wall_time stopped the run early, with a save)."""
         config, trainer = self.config, self.config.trainer
         if is_main_process():
             (self.output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
@@ -61,7 +65,7 @@ class Trainer:
             self.data.train.windows(dp_rank, config.dp_size) if isinstance(self.data.train, StreamedCorpus) else None
         )
         start_step = self.checkpoints.resume(backend, stream)
-        loop_settings = self.loop_settings()
+        loop_settings = self.loop_settings(self.stop_requests())
         logger = MetricsLogger(
             self.output_dir,
             enabled=is_main_process(),
@@ -71,7 +75,7 @@ class Trainer:
             sinks=build_sinks(config.deepspeed_config(), backend.deepspeed_monitor()),
         )
         self.announce(backend, logger, start_step)
-        last_saved = train(
+        end = train(
             backend,
             self.family,
             self.train_batches(dp_rank, start_step, stream, backend.input_dtype),
@@ -82,17 +86,31 @@ class Trainer:
             start_step,
             self.hooks,
         )
-        if last_saved == start_step:
+        if end.saved == start_step:
             self.checkpoints.keep_untrained(start_step)
         backend.finish(self.output_dir, logger.write)
+        if end.stopped is not None:
+            logger.close()
+            return EXIT_PREEMPTED
         if trainer.export:
-            self.export(backend, step_tag(last_saved), logger)
+            self.export(backend, step_tag(end.saved), logger)
         logger.close()
         if trainer.plots and is_main_process():
             paths = write_plots(self.output_dir)
             print(f"plots: {len(paths)} PNGs in {paths[0].parent if paths else self.output_dir}", flush=True)
+        return 0
 
-    def loop_settings(self) -> LoopSettings:
+    def stop_requests(self) -> StopRequests | None:
+        """Collective: the signals and wall-clock limit that stop the run early with a save, caught
+        from here on (None where neither is asked for)."""
+        trainer = self.config.trainer
+        signals = [signal_number(name) for name in trainer.signals] if trainer.save_on_signal else []
+        limit = None if trainer.max_wall_time is None else parse_duration(trainer.max_wall_time)
+        if not signals and limit is None:
+            return None
+        return StopRequests(signals, trainer.signal_grace_s, limit).install()
+
+    def loop_settings(self, stops: StopRequests | None = None) -> LoopSettings:
         """What the step loop needs of the config and the family, and nothing else."""
         config, trainer = self.config, self.config.trainer
         family, data = self.family, config.data.as_mapping()
@@ -107,6 +125,8 @@ class Trainer:
             nonfinite=NonfinitePolicy(trainer.nonfinite, trainer.max_skipped_steps, self.checkpoints.latest),
             flops_per_item=family.flops_per_item(family.architecture(config.model.fields), data),
             peak_flops=None if trainer.peak_tflops is None else trainer.peak_tflops * 1e12,
+            parameters=self.prepared.parameters,
+            stops=stops,
         )
 
     def train_batches(

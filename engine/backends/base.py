@@ -46,6 +46,9 @@ class StepHooks:
     def before_publish(self, step: int) -> None:
         """This rank's files of the checkpoint of `step` are written; the checkpoint is not yet published."""
 
+    def before_eval(self, step: int) -> None:
+        """The evaluation after step `step` is about to start."""
+
 
 @dataclass(frozen=True)
 class BackendSettings:

@@ -18,6 +18,7 @@ import torch
 from engine.config.batch import BatchError, solve_document_batch
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
+from engine.config.stop_keys import parse_duration, signal_number
 from engine.config.support import unsupported_issues
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware
@@ -362,6 +363,21 @@ def check_trainer(document: dict, world_size: int, hardware: Hardware | None) ->
     problem = _unwritable(Path("runs") if output_dir == AUTO else Path(output_dir))
     if problem:
         yield ConfigIssue("trainer.output_dir", problem)
+    yield from _stop_issues(document["trainer"])
+
+
+def _stop_issues(trainer: dict) -> Iterator[ConfigIssue]:
+    """trainer.signals and trainer.max_wall_time: names and durations that mean something."""
+    for index, name in enumerate(trainer["signals"]):
+        try:
+            signal_number(name)
+        except ValueError as error:
+            yield ConfigIssue(f"trainer.signals[{index}]", str(error))
+    if trainer["max_wall_time"] is not None:
+        try:
+            parse_duration(trainer["max_wall_time"])
+        except ValueError as error:
+            yield ConfigIssue("trainer.max_wall_time", str(error))
 
 
 def _unwritable(directory: Path) -> str | None:

@@ -377,7 +377,9 @@ _DEEPSPEED_SCALARS = {
     "dataloader_drop_last": _boolean("Drop the last incomplete batch of DeepSpeed's own data loader."),
     "use_data_before_expert_parallelism": _boolean("Lay data-parallel ranks out before expert-parallel ones."),
     "managed_gradient_accumulation": _boolean("Let DeepSpeed count micro-batches to the optimizer step."),
-    "vocabulary_size": _integer("Vocabulary size DeepSpeed checks for tensor-core alignment (a warning only).", 1),
+    "vocabulary_size": _integer(
+        "Vocabulary size DeepSpeed checks for tensor-core alignment (a warning only).", minimum=1
+    ),
     "log_level": {"type": ["string", "null"], "description": "DeepSpeed's logger level."},
 }
 
@@ -824,6 +826,34 @@ _TRAINER = _object(
             0,
             minimum=0,
         ),
+        "save_on_signal": _boolean(
+            "On one of trainer.signals (to the launcher or to any rank), every rank agrees at the next step "
+            "boundary to save a checkpoint and exit with code 75 (saved on preemption); evaluation in progress is "
+            "cut short first. A second signal, or trainer.signal_grace_s after the first, ends the job at once "
+            "(128 + the signal), the last good checkpoint intact (docs/failures.md).",
+            True,
+        ),
+        "signals": {
+            "type": "array",
+            "items": {"type": "string"},
+            "minItems": 1,
+            "description": "Signal names that ask the run to save and exit: SIGTERM (a scheduler's preemption) and "
+            "SIGUSR1 (what SLURM's --signal sends) by default.",
+            "default": ["SIGTERM", "SIGUSR1"],
+        },
+        "signal_grace_s": _number(
+            "Seconds from the first signal to an exit without saving, should the save not be done by then; "
+            "under the bare deepspeed launcher its own 30 s to SIGKILL come first.",
+            300.0,
+            exclusiveMinimum=0,
+        ),
+        "max_wall_time": {
+            "type": ["string", "null"],
+            "description": 'A duration ("HH:MM:SS", "D-HH:MM:SS" as SLURM writes it, or "90m", "4h", "1h30m"): the '
+            "run stops with a save and exit code 75 once the time left is less than the last save took plus one "
+            "step, counted from the start of the ranks. null: no limit.",
+            "default": None,
+        },
         "resume": {
             "anyOf": [{"type": "boolean"}, {"type": "string"}],
             "description": "true: continue from the latest checkpoint in output_dir (an error if none); a "

@@ -113,6 +113,10 @@ class TrainerSection:
     single_rank_fast_path: bool
     weight_decay_on: str
     threads_per_rank: int
+    save_on_signal: bool
+    signals: list[str]
+    signal_grace_s: float
+    max_wall_time: str | None
 
     @property
     def output_path(self) -> Path:

@@ -1,13 +1,17 @@
 """Deliberate failures, so tests (and users rehearsing an incident) can see how a job ends.
 
 `ENGINE_FAULT="kill,rank=1,step=3"` makes rank 1 act after optimizer step 3 (`at=save`: in the
-checkpoint save of step 3, once its own files are written and before the checkpoint is published):
+checkpoint save of step 3, once its own files are written and before the checkpoint is published;
+`at=eval`: as the evaluation after step 3 starts):
   kill   SIGKILL itself, as a segfault or the kernel's out-of-memory killer would;
   hang   SIGSTOP itself, as a rank stuck in a driver call or on a lost node would look;
   raise  raise a Python error, as a bug or a bad batch would;
   nan    make that rank's loss NaN in step 3 itself, before backward, so the gradients are NaN too,
          as a bad batch or a diverging run would (trainer.nonfinite decides what follows; under
          pipeline parallelism only last-stage ranks compute a loss; no at=save).
+  signal send `sig=NAME` (SIGTERM by default) to itself, or with `to=launcher` to the launcher that
+         started it, as a scheduler preempting the job would; `times=2` sends a second one 3 s later
+         and waits 3 s more where it is (the step or the save it interrupts).
 It reads the environment because a failure drill must not need a different config than the run
 it rehearses, and every launcher passes the environment on to its ranks.
 """
@@ -16,16 +20,20 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.backends.base import StepHooks
+from engine.launch.detect import LAUNCHER_PID_ENV
 
 ENV_VAR = "ENGINE_FAULT"
-ACTIONS = ("kill", "hang", "raise", "nan")
-POINTS = ("step", "save")
+ACTIONS = ("kill", "hang", "raise", "nan", "signal")
+POINTS = ("step", "save", "eval")
+# Longer than the window in which copies of one signal count once (engine/failures/preemption.py).
+_SECOND_SIGNAL_AFTER_S = 3.0
 
 
 class InjectedFault(RuntimeError):
@@ -38,6 +46,9 @@ class Fault:
     rank: int
     step: int
     at: str = "step"
+    sig: str = "SIGTERM"  # the signal action's
+    to: str = "self"  # "self" or "launcher"
+    times: int = 1
 
 
 def parse_fault(text: str) -> Fault:
@@ -46,8 +57,10 @@ def parse_fault(text: str) -> Fault:
     values: dict[str, str] = {}
     for field in fields:
         key, sep, value = field.partition("=")
-        if not sep or key not in ("rank", "step", "at"):
-            raise ValueError(f"{ENV_VAR}: '{field}' is not rank=N, step=N or at=POINT (in '{text}')")
+        if not sep or key not in ("rank", "step", "at", "sig", "to", "times"):
+            raise ValueError(
+                f"{ENV_VAR}: '{field}' is not rank=N, step=N or at=POINT (or sig=, to=, times= of signal) (in '{text}')"
+            )
         values[key] = value
     if action not in ACTIONS:
         raise ValueError(f"{ENV_VAR}: action '{action}' is not one of {', '.join(ACTIONS)} (in '{text}')")
@@ -55,10 +68,20 @@ def parse_fault(text: str) -> Fault:
         raise ValueError(f"{ENV_VAR}: at={values['at']} is not one of {', '.join(POINTS)}")
     if action == "nan" and values.get("at", "step") != "step":
         raise ValueError(f"{ENV_VAR}: nan acts on the loss of a step; drop at={values['at']}")
+    if values.get("to", "self") not in ("self", "launcher"):
+        raise ValueError(f"{ENV_VAR}: to={values['to']} is not self or launcher")
     try:
-        return Fault(action, int(values.get("rank", "0")), int(values["step"]), values.get("at", "step"))
+        return Fault(
+            action,
+            int(values.get("rank", "0")),
+            int(values["step"]),
+            values.get("at", "step"),
+            values.get("sig", "SIGTERM"),
+            values.get("to", "self"),
+            int(values.get("times", "1")),
+        )
     except (KeyError, ValueError):
-        raise ValueError(f"{ENV_VAR}: needs integer rank=N and step=N (got '{text}')") from None
+        raise ValueError(f"{ENV_VAR}: needs integer rank=N and step=N (and times=N) (got '{text}')") from None
 
 
 def fault_from_env() -> Fault | None:
@@ -71,12 +94,25 @@ def inject(fault: Fault | None, rank: int, point: str, step: int) -> None:
     if fault is None or fault.action == "nan" or (fault.rank, fault.at, fault.step) != (rank, point, step):
         return
     print(f"rank {rank}: {ENV_VAR} injects '{fault.action}' at {point} {step}", flush=True)
-    if fault.action == "kill":
+    if fault.action == "signal":
+        send_signals(fault)
+    elif fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise InjectedFault(f"{ENV_VAR} raised at {point} {step}")
+
+
+def send_signals(fault: Fault) -> None:
+    """The `signal` action: `fault.times` copies of `fault.sig` to this rank or to its launcher."""
+    pid = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())) if fault.to == "launcher" else os.getpid()
+    for copy in range(fault.times):
+        if copy:
+            time.sleep(_SECOND_SIGNAL_AFTER_S)
+        os.kill(pid, signal.Signals[fault.sig])
+    if fault.times > 1:
+        time.sleep(_SECOND_SIGNAL_AFTER_S)  # still in the step or save when the last signal lands
 
 
 def loss_hook(fault: Fault | None, rank: int, step: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -107,3 +143,6 @@ class FaultHooks(StepHooks):
 
     def before_publish(self, step: int) -> None:
         inject(self.fault, self.rank, "save", step)
+
+    def before_eval(self, step: int) -> None:
+        inject(self.fault, self.rank, "eval", step)

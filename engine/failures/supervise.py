@@ -5,7 +5,9 @@ and the deepspeed launcher only logs a return code against the wrong command lin
 therefore started as a child of this supervisor (stdlib only, started before torch is imported),
 which waits for it and, if a signal the job did not send itself killed it, prints the rank, host,
 pid and signal. Its exit status is the child's (128 + signal for a signal), so launchers still see
-the failure. SIGTERM and SIGINT come from the launcher or the user: they are passed on, silently.
+the failure. SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 come from the launcher, the scheduler or the user:
+they are passed on, silently, and the supervisor waits for its rank, which saves and exits on the
+ones trainer.signals names (engine/failures/preemption.py).
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import socket
 import subprocess
 import sys
 
-from engine.launch.detect import LAUNCHER_PID_ENV
+from engine.launch.detect import LAUNCHER_PID_ENV, SUPERVISED_ENV
 
-SUPERVISED_ENV = "ENGINE_SUPERVISED"
-_PASSED_ON = (signal.SIGTERM, signal.SIGINT)
+_PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def should_supervise() -> bool:

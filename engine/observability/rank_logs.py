@@ -29,6 +29,9 @@ class RankOutput:
             os.write(2, line)
 
 
+_PASSED_TO_RANKS = "INT TERM USR1 USR2"
+
+
 def capture_rank_output(log_dir: Path, rank: int) -> RankOutput:
     """Send this process's stdout and stderr to its rank's file (and rank 0's to the terminal too)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -37,8 +40,11 @@ def capture_rank_output(log_dir: Path, rank: int) -> RankOutput:
     sys.stderr.flush()
     if rank == 0:
         for fd in (1, 2):
-            # -i: a Ctrl-C reaches the whole process group; tee must outlive it to pass on the last lines.
-            tee = subprocess.Popen(["tee", "-i", "-a", str(path)], stdin=subprocess.PIPE, stdout=fd)
+            # tee must outlive whatever signal the rank is sent (a Ctrl-C reaches the whole process group;
+            # the deepspeed launcher passes SIGTERM to every process of the rank's tree) to pass on the
+            # lines of the save that follows; it ends when the rank closes its end of the pipe.
+            command = f"trap '' {_PASSED_TO_RANKS}; exec tee -a \"$0\""
+            tee = subprocess.Popen(["sh", "-c", command, str(path)], stdin=subprocess.PIPE, stdout=fd)
             os.dup2(tee.stdin.fileno(), fd)
             tee.stdin.close()
         return RankOutput(path, 2)

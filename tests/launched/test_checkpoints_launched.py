@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints.store import PARTIAL, latest_tag
+from engine.checkpoints.store import PARTIAL, latest_tag, step_tag
+from engine.launch.signals import EXIT_PREEMPTED
 from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, read_run, run_launcher, run_single
 from tests.support.monitor import MONITORS, assert_monitors_rewound
 
@@ -22,6 +23,7 @@ RUN = {
     "zero_optimization.stage": 2,
     "model.dropout": 0.1,
     "trainer.max_steps": 8,
+    "trainer.eval_interval": 3,
     "trainer.save_interval": 2,
     "trainer.keep_checkpoints": 2,
     **MONITORS,
@@ -54,7 +56,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return output_dir
 
 
-def assert_same_training(resumed: Path, straight: Path, from_step: int) -> None:
+def assert_same_training(resumed: Path, straight: Path, from_step: int, monitors: bool = True) -> None:
     resumed_run, straight_run = read_run(resumed), read_run(straight)
     resumed_records = [record for record in resumed_run.records if record["step"] > from_step]
     assert [record["step"] for record in resumed_records] == list(range(from_step + 1, 9))
@@ -64,7 +66,8 @@ def assert_same_training(resumed: Path, straight: Path, from_step: int) -> None:
     for name in final:
         assert torch.equal(final[name], expected[name]), name
     # The crashed run wrote the steps after the checkpoint already; the resumed one writes them again.
-    assert_monitors_rewound(resumed, straight, exact=("loss", "lr"))
+    if monitors:
+        assert_monitors_rewound(resumed, straight, exact=("loss", "lr"))
 
 
 @pytest.mark.launch
@@ -95,6 +98,48 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterr
     assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
     launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
     assert not (root / ("step00000004" + PARTIAL)).exists()  # the next save cleared it
+    assert_same_training(tmp_path, uninterrupted, from_step=2)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "fault, saved_at",
+    [
+        # SIGUSR1 (SLURM's --signal) to rank 1 alone, as the evaluation after step 6 starts: cut short on
+        # every rank, then the step-6 save, then the exit.
+        ("signal,rank=1,step=6,at=eval,sig=SIGUSR1", 6),
+        # SIGTERM to the deepspeed launcher after step 5, which passes it to every rank: step 5 is saved.
+        ("signal,rank=0,step=5,sig=SIGTERM,to=launcher", 5),
+        # SIGTERM while the step-4 save is being written: the save completes, and the run stops there.
+        ("signal,rank=1,step=4,at=save,sig=SIGTERM", 4),
+    ],
+    ids=["sigusr1-one-rank-mid-eval", "sigterm-launcher-mid-step", "sigterm-mid-save"],
+)
+def test_a_signal_saves_and_the_run_resumes_bit_identically(
+    fault: str, saved_at: int, uninterrupted: Path, tmp_path: Path
+):
+    stopped = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, {"ENGINE_FAULT": fault})
+    # The ranks exit 75 (saved on preemption); the deepspeed launcher passes that on, except when it
+    # was signalled itself (its own handler exits 1 once its ranks are gone).
+    assert stopped.returncode == (1 if "to=launcher" in fault else EXIT_PREEMPTED), stopped.stderr[-3000:]
+    assert latest_tag(tmp_path / "checkpoints") == step_tag(saved_at)
+    assert f"saved step {saved_at} and stopped (exit code 75)" in stopped.stdout
+    records = read_run(tmp_path).records
+    assert records[-1]["step"] <= saved_at and all("eval_loss" not in r for r in records if r["step"] == 6)
+    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
+    # An evaluation cut short is not logged, so its monitor rows differ from the uninterrupted run's.
+    assert_same_training(tmp_path, uninterrupted, from_step=saved_at, monitors="at=eval" not in fault)
+
+
+@pytest.mark.launch
+def test_a_second_signal_during_a_save_ends_at_once_leaving_the_last_checkpoint(uninterrupted: Path, tmp_path: Path):
+    fault = {"ENGINE_FAULT": "signal,rank=1,step=4,at=save,sig=SIGTERM,times=2"}
+    ended = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, fault)
+    assert ended.returncode not in (0, EXIT_PREEMPTED)
+    root = tmp_path / "checkpoints"
+    assert latest_tag(root) == "step00000002"
+    assert not (root / "step00000004").exists()
+    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
     assert_same_training(tmp_path, uninterrupted, from_step=2)
 
 

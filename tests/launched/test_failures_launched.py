@@ -7,6 +7,7 @@ communication timeout and must be over, non-zero, well inside a minute.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,8 +16,11 @@ from subprocess import CompletedProcess
 
 import pytest
 
+from engine.checkpoints.store import latest_tag
 from engine.failures.faults import parse_fault
+from engine.launch.signals import EXIT_PREEMPTED
 from tests.support.launch import (
+    LAUNCH_TIMEOUT_S,
     ROOT,
     accelerate_env,
     accelerate_launcher,
@@ -24,6 +28,7 @@ from tests.support.launch import (
     launch_nodes,
     run_launcher,
     run_single,
+    set_arguments,
 )
 
 GPT = "configs/tiny_gpt.json"
@@ -124,3 +129,64 @@ def test_single_process_runs_log_to_their_rank_file(tmp_path: Path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step=1 loss=" in result.stdout
     assert "step=1 loss=" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+# A run far longer than any test: only a signal ends it.
+ENDLESS_RUN = {"trainer.max_steps": 100000, "trainer.export": False}
+
+
+def launch_and_signal(launcher: str, output_dir: Path, to_every_process: bool = False) -> tuple[int, str]:
+    """`./launch.sh` with an endless run, sent SIGUSR1 once rank 0 has logged a step (or, with
+    `to_every_process`, SIGTERM to the script, its launcher and the ranks at once, as SLURM's scancel
+    and preemption do); returns its exit code and output once it has ended."""
+    sets = set_arguments({**ENDLESS_RUN, "trainer.output_dir": output_dir})
+    (output_dir / "tmp").mkdir(parents=True)
+    process = subprocess.Popen(
+        ["./launch.sh", "--launcher", launcher, "--nproc", "2", GPT, *sets],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(output_dir / "tmp")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("step="):
+                break
+        if to_every_process:
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            process.send_signal(signal.SIGUSR1)
+        lines.append(process.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
+        return process.returncode, "".join(lines)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(
+    "launcher, to_every_process",
+    [
+        # DeepSpeed's launch.py exits with the first failing rank's code: 75.
+        ("deepspeed", False),
+        # torchrun exits 1 whatever its workers' codes (ChildFailedError); launch.sh reads the ranks'.
+        ("torchrun", False),
+        # The deepspeed runner dies of the SIGTERM at once; launch.sh waits for the ranks to save.
+        ("deepspeed", True),
+    ],
+    ids=["deepspeed-sigusr1", "torchrun-sigusr1", "deepspeed-sigterm-to-every-process"],
+)
+def test_a_signal_to_launch_sh_saves_and_exits_75(launcher: str, to_every_process: bool, tmp_path: Path):
+    code, output = launch_and_signal(launcher, tmp_path, to_every_process)
+    assert code == EXIT_PREEMPTED, output[-4000:]
+    if not to_every_process:
+        assert "launch.sh: SIGUSR1 passed to 2 process(es)" in output  # the ranks, not the launcher
+    saved = latest_tag(tmp_path / "checkpoints")
+    assert saved is not None and (tmp_path / "checkpoints" / "latest").read_text().strip() == saved
+    assert f"saved step {int(saved.removeprefix('step'))} and stopped (exit code 75)" in output
+    assert not list((tmp_path / "tmp").glob("engine_exits.*"))  # launch.sh's, removed as it ended

@@ -144,7 +144,7 @@ def test_single_process_without_launcher_trains(tmp_path: Path):
         ({"trainer.resume": "STEP5", "trainer.max_steps": 3}, "trainer.max_steps: 3 is below step 5 of checkpoint"),
         ({"model.vocab_size": 10}, "model.vocab_size: 10 is smaller than the tokenizer's"),
         ({"train_micro_batch_size_per_gpu": 4096}, "samples cannot fill one global batch of 4096"),
-        ({"zero_optimization.stage": 5}, "zero_optimization.stage: expected an integer >= 0 <= 3, got 5"),
+        ({"zero_optimization.stage": 5}, 'zero_optimization.stage: expected an integer >= 0 <= 3 or "auto", got 5'),
         ({"model.init_from": "EMPTY"}, "empty_checkpoint is not a transformers checkpoint"),
     ],
 )
