@@ -421,7 +421,7 @@ _CHECKPOINT = _object(
         "parallel_write": _object(
             "Parallel checkpoint writing.", {"pipeline_stage": _boolean("Each pipeline stage writes in parallel.")}
         ),
-        "serialization": _boolean("Serialise tensors with torch.save's new zipfile format."),
+        "checkpoint_serialization": _boolean("Serialise tensors with torch.save's zipfile format."),
         "writer": {"type": ["object", "null"], "description": "DeepSpeed's FastPersist checkpoint writer."},
     },
 )
@@ -440,7 +440,7 @@ _FEATURES = {
     "expert_parallel": _feature("DeepSpeed's automatic expert parallelism for mixture-of-experts models."),
     "pipeline": _feature("DeepSpeed's pipeline engine options (pipe_partitioned, grad_partitioned, ...)."),
     "weight_quantization": _feature("DeepSpeed's post-training weight quantization."),
-    "datastates": _feature("DataStates-LLM asynchronous checkpointing."),
+    "datastates_ckpt": _feature("DataStates-LLM asynchronous checkpointing."),
     "sequence_parallel_size": _integer("DeepSpeed-Ulysses sequence-parallel degree.", minimum=1),
 }
 

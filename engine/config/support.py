@@ -31,7 +31,7 @@ UNSUPPORTED: dict[str, str] = {
     "autotuning": "DeepSpeed's autotuner runs its own trial jobs under `deepspeed --autotuning`; `python -m engine "
     "plan` sizes layouts here",
     "weight_quantization": "post-training weight quantization is for inference; the engine trains",
-    "datastates": "DataStates-LLM needs its own package; the engine's checkpoints are written by DeepSpeed and "
+    "datastates_ckpt": "DataStates-LLM needs its own package; the engine's checkpoints are written by DeepSpeed and "
     "published atomically (engine/checkpoints)",
     "aio": "it tunes NVMe offload, which the engine does not run",
 }

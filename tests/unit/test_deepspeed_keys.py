@@ -7,11 +7,13 @@ import copy
 import json
 from pathlib import Path
 
+import deepspeed
 import pytest
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from engine.cli import main
+from engine.config import schema
 from engine.config.deepspeed_schema import deprecated, removed_keys, spelling
 from engine.config.errors import ConfigError
 from engine.config.load import check_document
@@ -223,3 +225,20 @@ def test_the_plugin_keys_auto_come_from_accelerates_deepspeed_yaml(monkeypatch: 
         "cpu",
         True,
     )
+
+
+def test_every_key_written_by_hand_is_one_deepspeed_reads():
+    """The sections DeepSpeed reads without a pydantic model are typed by hand here: each key must be
+    a string DeepSpeed's own source looks up, so a misspelt key cannot be accepted and then ignored."""
+    source = "\n".join(path.read_text(errors="ignore") for path in Path(deepspeed.__file__).parent.rglob("*.py"))
+    sections = [
+        schema._DEEPSPEED_SCALARS,
+        schema._FEATURES,
+        schema._ACTIVATION_CHECKPOINTING["properties"],
+        schema._FLOPS_PROFILER["properties"],
+        schema._CHECKPOINT["properties"],
+        schema._CHECKPOINT["properties"]["parallel_write"]["properties"],
+        schema._DATA_TYPES["properties"],
+    ]
+    keys = {key for section in sections for key in section}
+    assert [key for key in sorted(keys) if f'"{key}"' not in source and f"'{key}'" not in source] == []
