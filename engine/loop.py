@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -41,6 +42,16 @@ class LoopSettings:
     peak_flops: float | None  # one device's dense peak, None where no MFU is claimed
     parameters: int = 0  # the model's, for a save's duration before one is measured
     stops: StopRequests | None = field(default=None, compare=False)  # signals and trainer.max_wall_time
+
+
+class Saver(Protocol):
+    """Where the loop's checkpoints go (engine.checkpoints.manager.CheckpointManager)."""
+
+    last_save_s: float | None  # the last save's duration, for trainer.max_wall_time's margin
+
+    def save(self, step: int) -> None: ...
+
+    def settle(self, wait: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -75,12 +86,13 @@ def train(
     eval_batches: Callable[[], Iterable[Mapping[str, torch.Tensor]]],
     settings: LoopSettings,
     logger: MetricsLogger,
-    save: Callable[[int], object],
+    saver: Saver,
     start_step: int,
     hooks: StepHooks,
 ) -> LoopEnd:
     """Run from `start_step` to `settings.max_steps`, or until `settings.stops` asks for a stop with a
-    save; returns how it ended. `hooks` are called around each optimizer step."""
+    save; returns how it ended, every save published. `hooks` are called around each optimizer step.
+    A save written in the background (trainer.async_save) is published at a later step boundary."""
     step, saved = start_step, start_step
     stops = settings.stops
     window_start, window_steps = time.perf_counter(), 0
@@ -131,26 +143,22 @@ def train(
             window_start, window_steps = time.perf_counter(), 0
         step_s = time.perf_counter() - boundary
         if save_due:
-            timed_save(save, step, stops)
+            saver.save(step)
             saved = step
-        reason = None if stops is None else stops.reason_to_stop(step_s, settings.parameters)
+        else:
+            saver.settle(wait=False)
+        reason = None if stops is None else stops.reason_to_stop(step_s, saver.last_save_s, settings.parameters)
         if reason is not None and step < settings.max_steps:
             if saved != step:
                 if deferred is not None and (first_bad := deferred.read()) is not None:
                     guard.check(*first_bad, loss_scale=None)  # never save a step that went bad
-                timed_save(save, step, stops)
+                saver.save(step)
                 saved = step
+            saver.settle(wait=True)
             logger.write(f"{reason}: saved step {step} and stopped (exit code 75)")
             return LoopEnd(saved, reason)
+    saver.settle(wait=True)
     return LoopEnd(saved)
-
-
-def timed_save(save: Callable[[int], object], step: int, stops: StopRequests | None) -> None:
-    """Save `step`, timing it for trainer.max_wall_time's margin."""
-    started = time.perf_counter()
-    save(step)
-    if stops is not None:
-        stops.last_save_s = time.perf_counter() - started
 
 
 def every_step_decides(backend: Backend, settings: LoopSettings) -> bool:

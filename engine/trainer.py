@@ -49,6 +49,7 @@ class Trainer:
             self.config.world_size,
             self.config.trainer.keep_checkpoints,
             before_publish=hooks.before_publish,
+            background=self.config.trainer.async_save,
         )
 
     def run(self) -> int:
@@ -82,7 +83,7 @@ class Trainer:
             lambda: self.eval_batches(dp_rank),
             loop_settings,
             logger,
-            self.checkpoints.save,
+            self.checkpoints,
             start_step,
             self.hooks,
         )

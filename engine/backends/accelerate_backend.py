@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from engine.backends.optim import (
     parameter_groups,
     restore_group_settings,
 )
+from engine.checkpoints.background import HookedFileSystemWriter
 from engine.checkpoints.from_torch import ENGINE_STATE
 from engine.checkpoints.to_torch import FullState, full_state, progress
 from engine.checkpoints.universal import canonical_names, save_names
@@ -93,6 +95,10 @@ class AccelerateBackend(Backend):
         self._skips_nonfinite = settings.nonfinite == "skip"
         self._norm: torch.Tensor | None = None
         self._check_wrapper()
+        # trainer.async_save: torch's writer thread agrees on its plan over a gloo group of its own,
+        # beside the training's collectives on the default group.
+        self._save_group = dist.new_group(backend="gloo") if settings.async_save else None
+        self._upload: Future | None = None
         self.state_watch = StepWatch(
             self.optimizer,
             lambda: [p.grad for p in self.model.parameters()],
@@ -207,15 +213,35 @@ class AccelerateBackend(Backend):
         return None  # fp16 is refused on this backend (engine/config/rules.py)
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """torch distributed checkpoint's files, or under trainer.async_save its `async_save`: the
+        state copied to host memory here, written by torch's thread (`writes_done`)."""
         path = checkpoint_dir / tag
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if self._save_group is None:
+            dcp.save(state, checkpoint_id=str(path))
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            step = client_state["step"]
+            writer = HookedFileSystemWriter(str(path), step, self.hooks.during_write)
+            self._upload = dcp.async_save(state, storage_writer=writer, process_group=self._save_group)
         # Lets a resume under DeepSpeed find each parameter by the unsplit model's name (a tied weight's too).
         module = self._unwrapped()
         save_names(path, dist.get_rank(), canonical_names(module, tensor_names(module)))
         if dist.get_rank() == 0:
             scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
             torch.save({"client_state": client_state, "scheduler": scheduler}, path / ENGINE_STATE)
+
+    def writes_done(self) -> bool:
+        if self._upload is None or not self._upload.done():
+            return self._upload is None
+        self.wait_for_writes()  # raises a failed write
+        return True
+
+    def wait_for_writes(self) -> None:
+        if self._upload is not None:
+            self._upload.result()
+            self._upload = None
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         path = checkpoint_dir / tag

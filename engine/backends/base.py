@@ -49,6 +49,10 @@ class StepHooks:
     def before_eval(self, step: int) -> None:
         """The evaluation after step `step` is about to start."""
 
+    def during_write(self, step: int) -> None:
+        """The background writer of the checkpoint of `step` has written part of it (trainer.async_save;
+        called on the writer's thread)."""
+
 
 @dataclass(frozen=True)
 class BackendSettings:
@@ -74,6 +78,7 @@ class BackendSettings:
     hooks: StepHooks
     compile: bool  # trainer.compile
     nonfinite: str  # trainer.nonfinite: "stop" or "skip"
+    async_save: bool  # trainer.async_save: `save` returns before its files are whole
     grid: PipelineParallelGrid | None = None
 
     @property
@@ -175,7 +180,16 @@ class Backend(ABC):
     @abstractmethod
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
         """Every rank writes its part of checkpoint `tag` under `checkpoint_dir` (collective). No
-        `latest`: `engine.checkpoints.store.save_checkpoint` publishes the tag once every rank is done."""
+        `latest`: `engine.checkpoints.store.publish_checkpoint` publishes the tag once every rank is done."""
+
+    def writes_done(self) -> bool:
+        """Whether this rank's files of the last `save` are whole (they are when it returns, unless the
+        backend writes them in the background: trainer.async_save)."""
+        return True
+
+    def wait_for_writes(self) -> None:
+        """Return once this rank's files of the last `save` are whole."""
+        return None
 
     @abstractmethod
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:

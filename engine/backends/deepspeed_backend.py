@@ -28,6 +28,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.backends.zero_checks import defer_norm_checks
+from engine.checkpoints.background import BackgroundWriter, ThreadedCheckpointEngine
 from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
@@ -80,9 +81,26 @@ class DeepSpeedEngineBackend(Backend):
     engine: deepspeed.DeepSpeedEngine
     grid: PipelineParallelGrid | None
     _names: dict[int, str]  # the unsplit model's name of every tensor, by identity
+    _writer: BackgroundWriter | None = None  # trainer.async_save's
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def write_in_background(self, settings: BackendSettings) -> None:
+        """trainer.async_save: every file DeepSpeed's `save_checkpoint` writes goes through the
+        engine's threaded checkpoint engine (engine/checkpoints/background.py says why not DeepSpeed's
+        decoupled one). Set after `deepspeed.initialize`, which builds its torch.save engine; loads
+        read with torch.load as that one does."""
+        if settings.async_save:
+            checkpoint_engine = ThreadedCheckpointEngine(self.engine._config, settings.hooks.during_write)
+            self.engine.checkpoint_engine, self._writer = checkpoint_engine, checkpoint_engine.writer
+
+    def writes_done(self) -> bool:
+        return self._writer is None or self._writer.done()
+
+    def wait_for_writes(self) -> None:
+        if self._writer is not None:
+            self._writer.wait()
 
     def compile(self) -> None:
         """torch.compile through DeepSpeed (`DeepSpeedEngine.compile`): the whole module, or under the
@@ -278,6 +296,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             grid,
         )
         self.hooks = settings.hooks
+        self.write_in_background(settings)
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()

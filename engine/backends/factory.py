@@ -51,6 +51,7 @@ def backend_settings(
         hooks=hooks,
         compile=config.trainer.compile,
         nonfinite=config.trainer.nonfinite,
+        async_save=config.trainer.async_save,
     )
 
 

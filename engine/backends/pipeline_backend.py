@@ -147,6 +147,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
             ),
             config=ds_config,
         )
+        self.write_in_background(settings)
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
         self.watch_gradients()

@@ -8,9 +8,10 @@ any process group (`engine.checkpoints.reshape.needs_conversion`, called by engi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -23,11 +24,12 @@ from engine.checkpoints.store import (
     load_data_position,
     load_rank_buffers,
     load_rng_state,
-    save_checkpoint,
+    publish_checkpoint,
+    stage_checkpoint,
     step_tag,
 )
 from engine.checkpoints.universal import UNIVERSAL_FOLDER, convert_to_universal
-from engine.parallel.process_group import barrier, env_rank, is_main_process
+from engine.parallel.process_group import any_rank, barrier, env_rank, host_group, is_main_process
 
 
 class Checkpointable(Protocol):
@@ -41,6 +43,10 @@ class Checkpointable(Protocol):
 
     def local_buffers(self) -> dict[str, torch.Tensor]: ...
 
+    def writes_done(self) -> bool: ...
+
+    def wait_for_writes(self) -> None: ...
+
 
 class Positioned(Protocol):
     """A reader whose place is saved with each checkpoint (data.streaming.StreamedWindows)."""
@@ -50,13 +56,25 @@ class Positioned(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class _Pending(NamedTuple):
+    """A save whose files are still being written (`trainer.async_save`)."""
+
+    step: int
+    started: float  # time.perf_counter() when the save began
+
+
 class CheckpointManager:
     """Resumes a run from `source` (None: a fresh start) and saves it under `output_dir`.
 
     `layout` is this run's saved-layout record (SavedLayout), written with every checkpoint; `saved_layout` the
     one `source` was saved with; `reshape` whether the layouts differ so that the resume goes through
     DeepSpeed's universal form. `before_publish(step)` runs on every rank once its files of a save
-    are written (a fault-injection point)."""
+    are written (a fault-injection point).
+
+    With `background` (`trainer.async_save`) the backend writes its files on a thread, and a save
+    is published later, by `settle` at a step boundary, once every rank's files are whole. At most
+    one save is in flight: the next waits for it. `last_save_s` is the last save's duration from its
+    start to its files being whole on this rank, the margin trainer.max_wall_time leaves."""
 
     def __init__(
         self,
@@ -68,12 +86,17 @@ class CheckpointManager:
         world_size: int,
         keep_last: int,
         before_publish: Callable[[int], None] = lambda step: None,
+        background: bool = False,
     ):
         self.root = checkpoint_root(output_dir)
         self.source, self.layout, self.saved_layout, self.reshape = source, layout, saved_layout, reshape
         self.world_size, self.keep_last, self.before_publish = world_size, keep_last, before_publish
+        self.background = background
+        self.last_save_s: float | None = None
         self._backend: Checkpointable | None = None
         self._stream: Positioned | None = None
+        self._pending: _Pending | None = None
+        self._group = None
 
     def convert_source(self, train_batch_size: int) -> None:
         """Collective, before the backend exists (DeepSpeed decides at initialisation how its
@@ -96,6 +119,8 @@ class CheckpointManager:
         """Collective: restore `backend` (and `stream`'s position) from the source; the step to
         start from, 0 for a fresh start. Later saves write this backend and stream."""
         self._backend, self._stream = backend, stream
+        if self.background:
+            self._group = host_group()
         if self.source is None:
             return 0
         tag_dir = self.source.path
@@ -108,19 +133,37 @@ class CheckpointManager:
             stream.load_state_dict(load_data_position(tag_dir, env_rank()))
         return int(saved["step"])
 
-    def save(self, step: int) -> str:
-        """Collective: save and publish the checkpoint of `step`; its tag."""
-        backend = self._backend
-        return save_checkpoint(
+    def save(self, step: int) -> None:
+        """Collective: save the checkpoint of `step`; published before this returns, or with
+        `background` by a later `settle` (a save still in flight is published first)."""
+        self.settle(wait=True)
+        backend, started = self._backend, time.perf_counter()
+        stage_checkpoint(
             lambda root, tag: backend.save(root, tag, {"step": step, "world_size": self.world_size}),
             self.root,
             step,
-            keep_last=self.keep_last,
             layout=self.layout,
             buffers=backend.local_buffers(),
-            before_publish=self.before_publish,
             data_position=self._stream.state_dict() if self._stream is not None else None,
         )
+        self._pending = _Pending(step, started)
+        if not self.background:
+            self.settle(wait=True)
+
+    def settle(self, wait: bool) -> None:
+        """Collective, at a step boundary: publish the save in flight once every rank's files of it
+        are whole; with `wait`, after waiting for them. One flag reduced over the ranks while a save
+        is in flight, nothing otherwise."""
+        pending = self._pending
+        if pending is None:
+            return
+        if wait:
+            self._backend.wait_for_writes()
+        elif any_rank(not self._backend.writes_done(), self._group):
+            return
+        self.last_save_s = time.perf_counter() - pending.started
+        self._pending = None
+        publish_checkpoint(self.root, pending.step, self.keep_last, self.before_publish)
 
     def keep_untrained(self, step: int) -> None:
         """Collective, when a run trained nothing: the export reads this run's own checkpoint, so the
@@ -129,6 +172,7 @@ class CheckpointManager:
         layout (a conversion without training)."""
         if self.source is None or self.source.path != self.root / step_tag(step) or self.reshape:
             self.save(step)
+            self.settle(wait=True)
 
     def latest(self) -> Path | None:
         """The newest published checkpoint of this run, or None."""

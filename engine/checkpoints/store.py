@@ -130,24 +130,22 @@ def _holds_checkpoint(path: Path) -> bool:
     return path.is_dir() and (any((path / name).is_file() for name in markers) or any(path.glob("*model_states.pt")))
 
 
-def save_checkpoint(
+def stage_checkpoint(
     write: Callable[[Path, str], None],
     root: Path,
     step: int,
-    keep_last: int,
     layout: SavedLayout,
     buffers: Mapping[str, torch.Tensor],
-    before_publish: Callable[[int], None] = lambda step: None,
     data_position: Mapping[str, Any] | None = None,
-) -> str:
-    """Collective: every rank writes its part with `write(root, staging_tag)`, then rank 0 publishes.
+) -> None:
+    """Collective: every rank writes its part of the checkpoint of `step` into `<tag>.partial` with
+    `write(root, staging_tag)`, after rank 0 has cleared what crashed saves left there.
 
     `layout` (engine.checkpoints.reshape.SavedLayout) is kept with the checkpoint, so a resume on another
     layout knows what it is converting from. `data_position` is this rank's place in a streamed
-    corpus, if it reads one. `before_publish` runs on every rank once its own files are written (the
-    fault-injection point for a crash mid-save). Returns the published tag."""
-    tag = step_tag(step)
-    staging = tag + PARTIAL
+    corpus, if it reads one. `write` may return before its files are whole (`trainer.async_save`):
+    the checkpoint is published only by `publish_checkpoint`, once they are on every rank."""
+    staging = step_tag(step) + PARTIAL
     if env_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("*" + PARTIAL):  # left by saves a crash interrupted
@@ -163,10 +161,19 @@ def save_checkpoint(
         save_data_position(root / staging, env_rank(), data_position)
     if env_rank() == 0:
         write_layout(root / staging, layout)
+
+
+def publish_checkpoint(
+    root: Path, step: int, keep_last: int, before_publish: Callable[[int], None] = lambda step: None
+) -> str:
+    """Collective, once this rank's files of the checkpoint of `step` are whole: when every rank's
+    are, rank 0 publishes it and prunes the oldest. `before_publish` runs on every rank first (the
+    fault-injection point for a crash mid-save). Returns the published tag."""
+    tag = step_tag(step)
     before_publish(step)
     barrier()
     if env_rank() == 0:
-        publish(root, staging, tag)
+        publish(root, tag + PARTIAL, tag)
         prune(root, keep_last)
     barrier()
     return tag

@@ -826,6 +826,14 @@ _TRAINER = _object(
             0,
             minimum=0,
         ),
+        "async_save": _boolean(
+            "Write checkpoints while training goes on: a save waits only for a copy of each rank's state in host "
+            "memory (one more copy of the rank's checkpointed states there), a thread writes it, and the checkpoint "
+            "is published at a later step boundary once every rank's files are whole. DeepSpeed writes through the "
+            "engine's threaded checkpoint engine on every layout; accelerate through torch distributed checkpoint's "
+            "async_save. Refused with checkpoint.writer (DeepSpeed's FastPersist engine).",
+            False,
+        ),
         "save_on_signal": _boolean(
             "On one of trainer.signals (to the launcher or to any rank), every rank agrees at the next step "
             "boundary to save a checkpoint and exit with code 75 (saved on preemption); evaluation in progress is "

@@ -97,6 +97,7 @@ class TrainerSection:
     eval_batches: int
     save_interval: int
     keep_checkpoints: int
+    async_save: bool
     resume: bool | str
     output_dir: str
     progress_bar: bool

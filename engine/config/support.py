@@ -90,11 +90,32 @@ def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
             "DeepSpeed's activation checkpointing runs inside its pipeline engine only; a whole model recomputes "
             "through model.activation_checkpointing (torch's checkpoint, which has none of these options)",
         )
+    yield from _writer_issues(document.get("checkpoint", {}).get("writer"), document["trainer"]["async_save"])
     if document["optimizer"]["params"].get("bias_correction") is False:
         yield ConfigIssue(
             "optimizer.params.bias_correction",
             "false is not supported: torch's Adam, which the accelerate backend and the single-process reference "
             "run, always corrects bias; drop the key",
+        )
+
+
+def _writer_issues(writer: dict | None, async_save: bool) -> Iterator[ConfigIssue]:
+    """DeepSpeed's FastPersist writer (`checkpoint.writer`) against the engine's publish: decoupled,
+    it commits at the next optimizer step, after the engine would have published an unfinished
+    checkpoint; and it is a checkpoint engine, where trainer.async_save installs the engine's own."""
+    if not writer:
+        return
+    if writer.get("decoupled"):
+        yield ConfigIssue(
+            "checkpoint.writer.decoupled",
+            "DeepSpeed's decoupled writer finishes a save at the next optimizer step, after the engine publishes it; "
+            "set trainer.async_save instead, which publishes once every rank's files are whole",
+        )
+    elif async_save:
+        yield ConfigIssue(
+            "trainer.async_save",
+            "checkpoint.writer selects DeepSpeed's FastPersist checkpoint engine, and trainer.async_save writes "
+            "through the engine's own (engine/checkpoints/background.py); keep one",
         )
 
 

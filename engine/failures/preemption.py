@@ -65,7 +65,6 @@ class StopRequests:
         self._received = _Received()
         self._lock = threading.Lock()
         self._group = None
-        self.last_save_s: float | None = None
         self.cut_short = False  # the last `until_signalled` stopped early
 
     def install(self) -> StopRequests:
@@ -131,11 +130,11 @@ class StopRequests:
     def elapsed_s(self) -> float:
         return time.time() - self.started
 
-    def reason_to_stop(self, step_s: float, parameters: int) -> str | None:
+    def reason_to_stop(self, step_s: float, last_save_s: float | None, parameters: int) -> str | None:
         """Collective at a step boundary: why every rank stops now, or None. The wall-clock limit
-        stops a run once what is left is less than the last save (or an estimate, before one) plus
-        one more step."""
-        save_s = self.last_save_s if self.last_save_s is not None else estimated_save_s(parameters)
+        stops a run once what is left is less than the last save (or an estimate for `parameters`,
+        before one) plus one more step."""
+        save_s = last_save_s if last_save_s is not None else estimated_save_s(parameters)
         wall = self.max_wall_s is not None and self.max_wall_s - self.elapsed_s() < save_s + step_s
         flags = torch.tensor([self._received.signum, int(wall)], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -108,6 +108,23 @@ def gather_to_main(value: Any) -> list[Any] | None:
     return gathered
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """Collective: a group for flags that live in host memory, so agreeing on them never waits for
+    the device: the default group where it is gloo (None), a gloo group beside NCCL otherwise."""
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        return dist.new_group(backend="gloo")
+    return None
+
+
+def any_rank(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Collective: whether `flag` is true on any rank (one MAX all-reduce of one integer on `group`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value[0])
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -103,22 +103,23 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterr
 
 @pytest.mark.launch
 @pytest.mark.parametrize(
-    "fault, saved_at",
+    "fault, saved_at, background",
     [
         # SIGUSR1 (SLURM's --signal) to rank 1 alone, as the evaluation after step 6 starts: cut short on
-        # every rank, then the step-6 save, then the exit.
-        ("signal,rank=1,step=6,at=eval,sig=SIGUSR1", 6),
+        # every rank, then the step-6 save, written in the background and waited for, then the exit.
+        ("signal,rank=1,step=6,at=eval,sig=SIGUSR1", 6, True),
         # SIGTERM to the deepspeed launcher after step 5, which passes it to every rank: step 5 is saved.
-        ("signal,rank=0,step=5,sig=SIGTERM,to=launcher", 5),
+        ("signal,rank=0,step=5,sig=SIGTERM,to=launcher", 5, False),
         # SIGTERM while the step-4 save is being written: the save completes, and the run stops there.
-        ("signal,rank=1,step=4,at=save,sig=SIGTERM", 4),
+        ("signal,rank=1,step=4,at=save,sig=SIGTERM", 4, False),
     ],
-    ids=["sigusr1-one-rank-mid-eval", "sigterm-launcher-mid-step", "sigterm-mid-save"],
+    ids=["sigusr1-one-rank-mid-eval-async-save", "sigterm-launcher-mid-step", "sigterm-mid-save"],
 )
 def test_a_signal_saves_and_the_run_resumes_bit_identically(
-    fault: str, saved_at: int, uninterrupted: Path, tmp_path: Path
+    fault: str, saved_at: int, background: bool, uninterrupted: Path, tmp_path: Path
 ):
-    stopped = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, {"ENGINE_FAULT": fault})
+    run = {**RUN, "trainer.async_save": background}
+    stopped = run_launcher(deepspeed_launcher(2), GPT, run, tmp_path, {"ENGINE_FAULT": fault})
     # The ranks exit 75 (saved on preemption); the deepspeed launcher passes that on, except when it
     # was signalled itself (its own handler exits 1 once its ranks are gone).
     assert stopped.returncode == (1 if "to=launcher" in fault else EXIT_PREEMPTED), stopped.stderr[-3000:]
@@ -126,9 +127,24 @@ def test_a_signal_saves_and_the_run_resumes_bit_identically(
     assert f"saved step {saved_at} and stopped (exit code 75)" in stopped.stdout
     records = read_run(tmp_path).records
     assert records[-1]["step"] <= saved_at and all("eval_loss" not in r for r in records if r["step"] == 6)
-    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
+    launch(GPT, {**run, "trainer.resume": True}, tmp_path)
     # An evaluation cut short is not logged, so its monitor rows differ from the uninterrupted run's.
     assert_same_training(tmp_path, uninterrupted, from_step=saved_at, monitors="at=eval" not in fault)
+
+
+@pytest.mark.launch
+def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
+    """trainer.async_save: rank 1 is SIGKILLed on its writer thread, part-way through the files of the
+    step-4 save. The save is never published; the run resumes from step 2."""
+    run = {**RUN, "trainer.async_save": True}
+    killed = run_launcher(deepspeed_launcher(2), GPT, run, tmp_path, {"ENGINE_FAULT": "kill,rank=1,step=4,at=write"})
+    assert killed.returncode != 0
+    assert "injects 'kill' at write 4" in (tmp_path / "logs" / "rank1.log").read_text()
+    root = tmp_path / "checkpoints"
+    assert latest_tag(root) == "step00000002"
+    assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
+    launch(GPT, {**run, "trainer.resume": True}, tmp_path)
+    assert_same_training(tmp_path, uninterrupted, from_step=2)
 
 
 @pytest.mark.launch

@@ -60,14 +60,13 @@ def test_a_wall_time_shorter_than_one_save_is_refused_before_any_process_group(
 def test_the_wall_clock_rule_leaves_room_for_a_save_and_a_step():
     stops = StopRequests([], grace_s=10, max_wall_s=100.0)
     stops.started = time.time() - 80  # 80 s gone, 20 s left
-    stops.last_save_s = 5.0
-    assert stops.reason_to_stop(step_s=1.0, parameters=0) is None
-    stops.last_save_s = 19.5
-    reason = stops.reason_to_stop(step_s=1.0, parameters=0)
+    assert stops.reason_to_stop(step_s=1.0, last_save_s=5.0, parameters=0) is None
+    reason = stops.reason_to_stop(step_s=1.0, last_save_s=19.5, parameters=0)
     assert reason.startswith("trainer.max_wall_time 0:01:40: stopping with 0:00:2")
     fresh = StopRequests([], grace_s=10, max_wall_s=100.0)
     fresh.started = time.time() - 80
-    assert fresh.reason_to_stop(step_s=1.0, parameters=int(2e9)) is not None  # 56 s estimated for the first save
+    # 56 s estimated for the first save
+    assert fresh.reason_to_stop(step_s=1.0, last_save_s=None, parameters=int(2e9)) is not None
     assert estimated_save_s(int(2e9)) == pytest.approx(56.0)
 
 
@@ -79,7 +78,7 @@ CHILD = textwrap.dedent(
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)  # a copy of the same request (a launcher and a supervisor)
     time.sleep(0.5)
-    print("signalled", stops.signalled(), stops.reason_to_stop(0.0, 0), flush=True)
+    print("signalled", stops.signalled(), stops.reason_to_stop(0.0, None, 0), flush=True)
     if sys.argv[2] == "again":
         time.sleep(2.5)
         os.kill(os.getpid(), signal.SIGTERM)
