@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from bench import data, gpu, hostcost, memory, optimizer_step, shakespeare, throughput
+from bench import checkpointing, data, gpu, hostcost, memory, optimizer_step, shakespeare, throughput
 from bench.report import REPORT, headline, load_results, store_results, write_report
 from bench.results import Result, Unavailable
 from bench.settings import Settings
@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "optimizer": optimizer_step.run,  # 6: host cost of the optimizer step, bf16 against torch_autocast
     "data": data.run,  # 7: tokenized corpora: preparation speed, launch time and memory per rank against size
     "hostcost": hostcost.run,  # 8: host reads of the device, aten operations and graph breaks per step
+    "checkpointing": checkpointing.run,  # 9: training time lost per save, sync and async; SIGTERM to exit
 }
 
 

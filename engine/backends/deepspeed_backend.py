@@ -28,7 +28,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.backends.zero_checks import defer_norm_checks
-from engine.checkpoints.background import BackgroundWriter, ThreadedCheckpointEngine
+from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter
 from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
@@ -88,11 +88,11 @@ class DeepSpeedEngineBackend(Backend):
 
     def write_in_background(self, settings: BackendSettings) -> None:
         """trainer.async_save: every file DeepSpeed's `save_checkpoint` writes goes through the
-        engine's threaded checkpoint engine (engine/checkpoints/background.py says why not DeepSpeed's
-        decoupled one). Set after `deepspeed.initialize`, which builds its torch.save engine; loads
-        read with torch.load as that one does."""
+        engine's background checkpoint engine (engine/checkpoints/background.py says why not
+        DeepSpeed's decoupled one). Set after `deepspeed.initialize`, which builds its torch.save
+        engine; loads read with torch.load as that one does."""
         if settings.async_save:
-            checkpoint_engine = ThreadedCheckpointEngine(self.engine._config, settings.hooks.during_write)
+            checkpoint_engine = BackgroundCheckpointEngine(self.engine._config, settings.hooks.during_write)
             self.engine.checkpoint_engine, self._writer = checkpoint_engine, checkpoint_engine.writer
 
     def writes_done(self) -> bool:

@@ -61,6 +61,7 @@ class _Pending(NamedTuple):
 
     step: int
     started: float  # time.perf_counter() when the save began
+    blocked_s: float  # how long the save held the training up before its files went to the background
 
 
 class CheckpointManager:
@@ -146,7 +147,7 @@ class CheckpointManager:
             buffers=backend.local_buffers(),
             data_position=self._stream.state_dict() if self._stream is not None else None,
         )
-        self._pending = _Pending(step, started)
+        self._pending = _Pending(step, started, time.perf_counter() - started)
         if not self.background:
             self.settle(wait=True)
 
@@ -163,7 +164,11 @@ class CheckpointManager:
             return
         self.last_save_s = time.perf_counter() - pending.started
         self._pending = None
-        publish_checkpoint(self.root, pending.step, self.keep_last, self.before_publish)
+        tag = publish_checkpoint(self.root, pending.step, self.keep_last, self.before_publish)
+        if is_main_process():
+            waited = f" (training waited {pending.blocked_s:.2f} s; written in the background)"
+            waited = waited if self.background else ""
+            print(f"checkpoint {tag} published {self.last_save_s:.2f} s after its save began{waited}", flush=True)
 
     def keep_untrained(self, step: int) -> None:
         """Collective, when a run trained nothing: the export reads this run's own checkpoint, so the

@@ -1,10 +1,12 @@
-"""trainer.async_save's writers: what a save hands to its thread is a copy the next steps cannot
-change, a failed write is raised to the training thread, torch distributed checkpoint's async_save
-stages a copy too, and a checkpoint.writer beside it is refused before anything starts."""
+"""trainer.async_save's writers: what a save hands to the writer process is a copy the next steps
+cannot change, written as the synchronous save writes it; a failed write or a dead writer is raised
+to the rank; torch distributed checkpoint's async_save stages a copy too; and a checkpoint.writer
+beside it is refused before anything starts."""
 
 from __future__ import annotations
 
-import threading
+import os
+import signal
 from collections import OrderedDict
 from pathlib import Path
 
@@ -12,9 +14,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from engine.checkpoints.background import BackgroundWriter, HookedFileSystemWriter, ThreadedCheckpointEngine, host_copy
+from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter, pack
+from engine.checkpoints.writer_process import Slot, rebuild
 from engine.config.errors import ConfigError
 from engine.config.load import load_config
 from engine.launch.hardware import Hardware
@@ -22,56 +27,78 @@ from engine.parallel.process_group import destroy_process_group, init_process_gr
 from tests.support.launch import ROOT, free_port
 
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=1)
+LARGE = 300_000  # floats: over 1 MB, so in shared memory of its own
 
 
-def test_a_host_copy_shares_nothing_with_the_live_state():
-    weight = torch.arange(6.0)
+def live_state() -> dict:
+    """Shaped as DeepSpeed's model states: a module state_dict with its versions and a tied weight,
+    optimizer moments, parameter shapes and the fp16 loss scaler."""
+    module = torch.nn.Linear(4, 4)
+    state_dict = module.state_dict()
+    state_dict["tied"] = state_dict["weight"]
     scaler = DynamicLossScaler(2.0**16, 10, min_scale=1, delayed_shift=2, consecutive_hysteresis=False)
-    live = {"module": OrderedDict(weight=weight, view=weight[2:4]), "groups": [{"lr": 0.1}], "scaler": scaler}
-    copied = host_copy(live)
-    weight.add_(100.0)
-    live["groups"][0]["lr"] = 0.2
-    scaler.cur_scale = 1.0
-    assert torch.equal(copied["module"]["weight"], torch.arange(6.0))
-    assert torch.equal(copied["module"]["view"], torch.tensor([2.0, 3.0]))
-    # Each tensor in storage of its own, as DeepSpeed's clone for torch.save makes them: a view saves 2 elements.
-    assert copied["module"]["view"].untyped_storage().size() == 2 * 4
-    assert type(copied["module"]) is OrderedDict and copied["groups"][0]["lr"] == 0.1
-    assert copied["scaler"].cur_scale == 2.0**16
+    return {
+        "module": state_dict,
+        "optimizer": {"state": {0: {"exp_avg": torch.ones(LARGE), "step": torch.tensor(4.0)}}, "lr": [0.1]},
+        "param_shapes": [OrderedDict(weight=torch.Size([4, 4]))],
+        "scaler": scaler,
+    }
 
 
-def test_the_writer_runs_writes_in_order_and_raises_a_failed_one():
-    writer, order, gate = BackgroundWriter(), [], threading.Event()
-    writer.submit(lambda: (gate.wait(), order.append(1)))
-    writer.submit(lambda: order.append(2))
-    assert not writer.done()
-    gate.set()
-    writer.wait()
-    assert writer.done() and order == [1, 2]
+def test_a_packed_state_shares_nothing_with_the_live_one_and_keeps_its_shape():
+    live = live_state()
+    expected = {"weight": live["module"]["weight"].clone(), "exp_avg": torch.ones(LARGE)}
+    packed = pack(live)
+    live["module"]["weight"].data.add_(1.0)
+    live["optimizer"]["state"][0]["exp_avg"].mul_(7.0)
+    live["optimizer"]["lr"][0] = 0.2
+    live["scaler"].cur_scale = 1.0
+    skeleton = packed.skeleton
+    large = skeleton["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(large, expected["exp_avg"]) and large.is_shared()
+    assert isinstance(skeleton["module"]["weight"], Slot)
+    rebuilt = rebuild(skeleton, packed.small)
+    assert torch.equal(rebuilt["module"]["weight"], expected["weight"])
+    assert rebuilt["module"]["tied"] is rebuilt["module"]["weight"]  # saved once, as torch.save keeps a tied weight
+    assert rebuilt["module"]._metadata == live["module"]._metadata  # the versions load_state_dict reads
+    assert type(rebuilt["param_shapes"][0]["weight"]) is torch.Size
+    assert rebuilt["optimizer"]["lr"] == [0.1] and rebuilt["scaler"].cur_scale == 2.0**16
 
-    def full_disk() -> None:
-        raise OSError(28, "No space left on device")
 
-    writer.submit(full_disk)
-    with pytest.raises(RuntimeError, match="a checkpoint write failed: .*No space left on device"):
-        writer.wait()
-
-
-def test_deepspeeds_save_through_the_threaded_engine_writes_the_state_as_it_was(tmp_path: Path):
-    written: list[int] = []
-    engine = ThreadedCheckpointEngine(None, written.append)
+def test_the_writer_process_writes_what_a_synchronous_save_writes(tmp_path: Path):
+    """The same state saved by DeepSpeed's torch.save engine and by the background engine loads the
+    same: values, types, storage sharing and the state_dict's versions."""
+    state, written = live_state(), []
+    TorchCheckpointEngine(None).save(state, str(tmp_path / "sync.pt"))
+    engine = BackgroundCheckpointEngine(None, written.append)
     engine.create(CheckpointCommitInfo(tag="step00000004.partial", save_dir=str(tmp_path), save_latest=False))
-    moments = torch.ones(3)
-    engine.save({"exp_avg": moments, "step": 4}, str(tmp_path / "optim.pt"))
-    engine.save({"module": torch.zeros(2)}, str(tmp_path / "model.pt"))
-    moments.mul_(7.0)  # the next optimizer step, while the writer may still be at work
+    engine.save(state, str(tmp_path / "async.pt"))
+    engine.save({"second": torch.zeros(2)}, str(tmp_path / "second.pt"))
     assert engine.commit(CheckpointCommitInfo("step00000004.partial", str(tmp_path), False))
     engine.writer.wait()
-    saved = torch.load(tmp_path / "optim.pt", weights_only=False)
-    assert torch.equal(saved["exp_avg"], torch.ones(3)) and saved["step"] == 4
-    assert (tmp_path / "model.pt").is_file()
-    assert written == [4]  # once per save, after its first file
+    assert engine.writer.done() and written == [4]  # once per save, after its first file
+    sync, background = (torch.load(tmp_path / name, weights_only=False) for name in ("sync.pt", "async.pt"))
+    assert background["module"]._metadata == sync["module"]._metadata
+    assert background["module"]["tied"].untyped_storage().data_ptr() == background["module"]["weight"].data_ptr()
+    assert torch.equal(background["optimizer"]["state"][0]["exp_avg"], sync["optimizer"]["state"][0]["exp_avg"])
+    assert background["param_shapes"] == sync["param_shapes"] and background["scaler"].cur_scale == 2.0**16
     assert not engine.preserves_storage_sharing()
+
+
+def test_a_failed_write_and_a_dead_writer_are_raised_on_the_rank(tmp_path: Path):
+    writer = BackgroundWriter()
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "missing" / "x.pt"), zipfile=True)
+    with pytest.raises(RuntimeError, match=r"a checkpoint write failed: .*missing/x.pt: RuntimeError: Parent"):
+        writer.wait()
+    writer.wait()  # the failure was reported once; the writer goes on
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "x.pt"), zipfile=True)
+    writer.wait()
+    assert torch.equal(torch.load(tmp_path / "x.pt")["x"], torch.zeros(2))
+    os.kill(writer._process.pid, signal.SIGKILL)
+    writer._process.join()
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "y.pt"), zipfile=True)
+    with pytest.raises(RuntimeError, match=r"the checkpoint writer process died \(exit code -9\) with 1 files"):
+        writer.wait()
 
 
 @pytest.fixture
@@ -87,27 +114,17 @@ def one_process_group():
             destroy_process_group()
 
 
-class GatedWriter(HookedFileSystemWriter):
-    """Holds the write until the test lets it go: the training moves on meanwhile."""
-
-    def __init__(self, path: str, gate: threading.Event):
-        super().__init__(path, 4, lambda step: None)
-        self.gate = gate
-
-    def write_data(self, plan, planner):
-        self.gate.wait()
-        return super().write_data(plan, planner)
-
-
 def test_torch_async_save_writes_the_state_staged_when_it_was_called(one_process_group, tmp_path: Path):
-    """The accelerate backend's path: on CPU the staged copy must not be the live tensor either."""
+    """The accelerate backend's path (process mode): on CPU the staged copy must not be the live tensor."""
     model = torch.nn.Linear(4, 2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    gate = threading.Event()
-    upload = dcp.async_save({"model": model.state_dict()}, storage_writer=GatedWriter(str(tmp_path), gate))
+    upload = dcp.async_save(
+        {"model": model.state_dict()},
+        checkpoint_id=str(tmp_path),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
     with torch.no_grad():
         model.weight.add_(1.0)
-    gate.set()
     upload.result()
     restored = {"model": {name: torch.empty_like(tensor) for name, tensor in before.items()}}
     dcp.load(restored, checkpoint_id=str(tmp_path))
