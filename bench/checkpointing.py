@@ -1,28 +1,33 @@
 """Benchmark 9: what checkpoints cost the training, written in the step (synchronous) or in the
 background (`trainer.async_save`), and how soon a preempted job is gone.
 
-Two models on 2 ranks under the deepspeed launcher, ZeRO-2: a synthetic-token GPT of 29M
-parameters and the shakespeare config (0.8M). The GPT's checkpoint (a rank's ZeRO-2 partition of the
-fp32 master and moments, rank 0 also the weights) takes longer to write than a step takes to train.
-Each is run without saves, with a save every `SAVE_EVERY` steps, and with the same saves in the
-background, one after the other in each round. The time lost per save is the difference of the timed
-windows' total time (metrics.jsonl: every window after the first, whose start-up is not timed) from
-the run without saves, over the saves that fall in them; it is reported as a fraction of one step.
+Cases under the deepspeed launcher, ZeRO-2: a synthetic-token GPT of 29M parameters on 2 ranks and
+on 1 rank, and the shakespeare config (0.8M) on 2 ranks. The GPT's checkpoint (464 MB: the fp32
+weights, master and moments) takes longer to write than a step takes to train. On the 2-core machine
+2 ranks keep both cores busy, so the writer can only fill their gaps; 1 rank leaves a core free for
+it, as the host's cores are beside a GPU that trains. Each case runs without saves, with a save every
+`SAVE_EVERY` steps, and with the same saves in the background, one after the other in each round.
+The time lost per save is the timed windows' total (metrics.jsonl: every window after the first,
+whose start-up is not timed) less the run's without saves, over the saves that fall in them; it is
+reported as a fraction of one step.
 
-Then a run of each model is sent SIGTERM through the launcher once it has logged 3 windows, and the
-time from the signal to the launcher's exit is set against one step (the median window's) plus the
-save the signal caused, as rank 0's log reports it.
+Then each 2-rank case is sent SIGTERM, to every process of the job as a scheduler sends it, once 3
+windows are logged; the time from the signal to the exit of the last rank is set against one step
+(the median window's) plus the save the signal caused, as rank 0's log reports it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, compare
@@ -31,7 +36,6 @@ from bench.trials import ROOT, RUNS, median, read_records, run_logged
 from engine.observability import metrics
 from engine.parallel.process_group import free_port
 
-PROCESSES = 2
 STEPS, LOG_INTERVAL, SAVE_EVERY = 24, 4, 4
 MAX_ROUNDS = 3
 COMMON = [
@@ -54,29 +58,35 @@ _PUBLISHED = re.compile(r"checkpoint step(\d{8}) published ([0-9.]+) s")
 
 
 @dataclass(frozen=True)
-class Model:
+class Case:
     name: str
     config: Path
     overrides: tuple[str, ...]
+    processes: int
+    signalled: bool  # also measured from SIGTERM to exit
 
 
-MODELS = (
-    Model(
-        "synthetic GPT 29M",
-        ROOT / "configs" / "tiny_gpt.json",
-        (
-            "data.type=synthetic",
-            "data.seq_len=128",
-            "model.vocab_size=8192",
-            "model.n_layer=8",
-            "model.n_head=8",
-            "model.n_embd=512",
-            "model.n_positions=128",
-            "train_micro_batch_size_per_gpu=2",
-            "train_batch_size=auto",
-        ),
+SYNTHETIC_GPT = (
+    "data.type=synthetic",
+    "data.seq_len=128",
+    "model.vocab_size=8192",
+    "model.n_layer=8",
+    "model.n_head=8",
+    "model.n_embd=512",
+    "model.n_positions=128",
+    "train_micro_batch_size_per_gpu=2",
+    "train_batch_size=auto",
+)
+CASES = (
+    Case("synthetic GPT 29M, 2 ranks", ROOT / "configs" / "tiny_gpt.json", SYNTHETIC_GPT, 2, True),
+    Case("synthetic GPT 29M, 1 rank (a core free)", ROOT / "configs" / "tiny_gpt.json", SYNTHETIC_GPT, 1, False),
+    Case(
+        "shakespeare, 2 ranks",
+        ROOT / "configs" / "shakespeare_char.json",
+        ("scheduler.params.warmup_num_steps=2",),
+        2,
+        True,
     ),
-    Model("shakespeare", ROOT / "configs" / "shakespeare_char.json", ("scheduler.params.warmup_num_steps=2",)),
 )
 
 
@@ -92,42 +102,69 @@ def saves_timed() -> int:
     return len(range(SAVE_EVERY, STEPS, SAVE_EVERY)) - len(range(SAVE_EVERY, LOG_INTERVAL, SAVE_EVERY))
 
 
-def training_seconds(model: Model, mode: str, run_dir: Path) -> float:
-    launcher = ["deepspeed", "--num_gpus", str(PROCESSES), "--master_port", str(free_port())]
-    overrides = [*COMMON, *model.overrides, f"trainer.max_steps={STEPS}", *MODES[mode]]
-    run_logged([*launcher, "engine/main.py", "--deepspeed_config", str(model.config)], overrides, run_dir)
+def launcher(case: Case) -> list[str]:
+    """The deepspeed launcher starting the engine on `case`, before its `--set` arguments."""
+    ports = ["--num_gpus", str(case.processes), "--master_port", str(free_port())]
+    return ["deepspeed", *ports, "engine/main.py", "--deepspeed_config", str(case.config)]
+
+
+def training_seconds(case: Case, mode: str, run_dir: Path) -> float:
+    run_logged(launcher(case), [*COMMON, *case.overrides, f"trainer.max_steps={STEPS}", *MODES[mode]], run_dir)
     return timed_seconds(read_records(run_dir))
 
 
-def signal_to_exit(model: Model, mode: str, run_dir: Path) -> tuple[float, float, float]:
-    """SIGTERM to the launcher of a long run once 3 windows are logged: seconds from the signal to
-    its exit, the median step and the save the signal caused."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob("**/*"):
-        if stale.is_file():
-            stale.unlink()
+def signal_to_exit(case: Case, mode: str, run_dir: Path) -> tuple[float, float, float]:
+    """SIGTERM to every process of a long run once 3 windows are logged: seconds from the signal to
+    the exit of its last rank, the median step and the save the signal caused."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     background = ["trainer.async_save=true"] if mode == "async" else []
-    overrides = [*COMMON, *model.overrides, "trainer.max_steps=100000", "trainer.save_interval=0", *background]
-    command = ["deepspeed", "--num_gpus", str(PROCESSES), "--master_port", str(free_port()), "engine/main.py"]
-    command += ["--deepspeed_config", str(model.config)]
-    command += [arg for value in [*overrides, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
+    overrides = ["trainer.max_steps=100000", "trainer.save_interval=0", *background]
+    sets = [*COMMON, *case.overrides, *overrides, f"trainer.output_dir={run_dir}"]
+    command = launcher(case) + [arg for value in sets for arg in ("--set", value)]
     log = run_dir / "trial.log"
     with log.open("w") as out:
-        launcher = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 600
-        while len(_records(run_dir)) < 3 and launcher.poll() is None and time.monotonic() < deadline:
+        while len(_records(run_dir)) < 3 and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if launcher.poll() is not None or time.monotonic() >= deadline:
-            launcher.kill()
-            raise RuntimeError(f"{model.name} {mode}: no 3 windows logged; log {log}")
+        if job.poll() is not None or time.monotonic() >= deadline:
+            os.killpg(job.pid, signal.SIGKILL)
+            raise RuntimeError(f"{case.name} {mode}: no 3 windows logged; log {log}")
+        # The launcher's runner dies of the signal at once; the job has ended when its ranks have.
+        ranks = [process for process in psutil.process_iter(["cmdline"]) if _is_rank(process, job.pid)]
         signalled = time.perf_counter()
-        os.kill(launcher.pid, signal.SIGTERM)
-        launcher.wait(timeout=600)
+        os.killpg(job.pid, signal.SIGTERM)
+        while any(_running(rank) for rank in ranks) and time.perf_counter() - signalled < 600:
+            time.sleep(0.01)
         exit_s = time.perf_counter() - signalled
-    saves = [float(seconds) for _, seconds in _PUBLISHED.findall((run_dir / "logs" / "rank0.log").read_text())]
-    if not saves:
-        raise RuntimeError(f"{model.name} {mode}: the signal's save is not in {run_dir / 'logs' / 'rank0.log'}")
+        job.wait(timeout=60)
+        if exit_s >= 600:
+            os.killpg(job.pid, signal.SIGKILL)
+            raise RuntimeError(f"{case.name} {mode}: ranks alive 600 s after SIGTERM; log {log}")
+    rank_log = (run_dir / "logs" / "rank0.log").read_text()
+    saves = [float(seconds) for _, seconds in _PUBLISHED.findall(rank_log)]
+    if not saves or "stopped (exit code 75)" not in rank_log:
+        raise RuntimeError(f"{case.name} {mode}: no save on the signal in {run_dir / 'logs' / 'rank0.log'}")
     return exit_s, median([record["step_time_s"] for record in _records(run_dir)]), saves[-1]
+
+
+def _running(process: psutil.Process) -> bool:
+    """Still running: an exited rank its launcher has not reaped yet (the deepspeed launcher polls
+    once a second) is a zombie, done."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_rank(process: psutil.Process, session: int) -> bool:
+    """A rank of the job in `session` (or its supervisor): launched with --local_rank."""
+    try:
+        in_session = os.getsid(process.pid) == session
+    except OSError:
+        return False
+    return in_session and any(arg.startswith("--local_rank=") for arg in process.info["cmdline"] or [])
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -139,22 +176,21 @@ def run(settings: Settings) -> Result:
     rows, exit_rows, failures = [], [], {}
     series: dict[str, tuple[list[float], list[float]]] = {"synchronous": ([], []), "asynchronous": ([], [])}
     count = min(settings.rounds, MAX_ROUNDS)
-    for index, model in enumerate(MODELS):
+    for index, case in enumerate(CASES):
         try:
             seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
             for number in range(count):
                 for mode in MODES:
-                    run_dir = RUNS / "checkpointing" / f"model-{index}-{mode}-{number}"
-                    seconds[mode].append(training_seconds(model, mode, run_dir))
-            timed_steps = STEPS - LOG_INTERVAL
-            step_s = median(seconds["none"]) / timed_steps
+                    run_dir = RUNS / "checkpointing" / f"case-{index}-{mode}-{number}"
+                    seconds[mode].append(training_seconds(case, mode, run_dir))
+            step_s = median(seconds["none"]) / (STEPS - LOG_INTERVAL)
             lost = {
-                mode: median([(run - base) for run, base in zip(seconds[mode], seconds["none"], strict=True)])
+                mode: median([run - base for run, base in zip(seconds[mode], seconds["none"], strict=True)])
                 / saves_timed()
                 for mode in ("sync", "async")
             }
             print(
-                f"  {model.name}: step {step_s * 1e3:.1f} ms; lost per save: synchronous {lost['sync'] * 1e3:.1f} ms, "
+                f"  {case.name}: step {step_s * 1e3:.1f} ms; lost per save: synchronous {lost['sync'] * 1e3:.1f} ms, "
                 f"asynchronous {lost['async'] * 1e3:.1f} ms",
                 flush=True,
             )
@@ -163,56 +199,56 @@ def run(settings: Settings) -> Result:
                 series[label][1].append(lost[mode] / step_s)
             rows.append(
                 compare(
-                    f"{model.name}: training time lost per save, asynchronous against synchronous",
+                    f"{case.name}: steps of training lost per save, asynchronous against synchronous",
                     lost["sync"] / step_s,
                     lost["async"] / step_s,
                     Goal("ratio", "<=", 0.2),
                     ratio=max(lost["async"], 0.0) / lost["sync"],
                 )
             )
-            for mode in ("sync", "async"):
-                run_dir = RUNS / "checkpointing" / f"model-{index}-{mode}-signal"
-                exit_s, step, save = signal_to_exit(model, mode, run_dir)
+            for mode in ("sync", "async") if case.signalled else ():
+                exit_s, step, save = signal_to_exit(case, mode, RUNS / "checkpointing" / f"case-{index}-{mode}-signal")
                 print(
-                    f"  {model.name} {mode}: SIGTERM to exit {exit_s:.2f} s; a step {step:.2f} s, its save "
+                    f"  {case.name}, {mode}: SIGTERM to exit {exit_s:.2f} s; a step {step:.2f} s, its save "
                     f"{save:.2f} s",
                     flush=True,
                 )
                 exit_rows.append(
                     compare(
-                        f"{model.name}, {mode} saves: seconds from SIGTERM to the job's exit, against a step plus "
-                        "the save",
+                        f"{case.name}, {mode} saves: seconds from SIGTERM to the job's exit, against a step plus "
+                        "its save",
                         step + save,
                         exit_s,
                         Goal("ratio", "<=", 1.0),
                     )
                 )
         except RuntimeError as error:
-            failures[model.name] = str(error)
-    models = "; ".join(
-        f"{model.name}: {model.config.relative_to(ROOT)} {' '.join(model.overrides)}" for model in MODELS
-    )
+            failures[case.name] = str(error)
+    cases = "; ".join(f"{case.name}: {case.config.relative_to(ROOT)} {' '.join(case.overrides)}" for case in CASES)
     return Result(
         name="checkpointing",
-        title="Checkpoints: training time lost per save, synchronous and in the background; SIGTERM to exit",
-        baseline="synchronous save (first rows: its loss, in steps); a step plus the signal's save (SIGTERM rows)",
+        title="Checkpoints: training lost per save, synchronous and in the background; SIGTERM to exit",
+        baseline="synchronous save (steps lost per save); a step plus the signal's save (SIGTERM rows)",
         method=(
-            f"{PROCESSES} ranks under the deepspeed launcher, ZeRO-2, {', '.join(COMMON)}. Per model and round "
-            f"({count} rounds): {STEPS} steps without saves, with a save every {SAVE_EVERY} steps, and with "
-            "trainer.async_save; the loss per save is the timed windows' total (every window after the first) less "
-            f"the run's without saves, over the {saves_timed()} saves in them, the median over rounds, as a "
-            "fraction of one step (the baseline and engine columns of the first rows; their ratio is "
-            "asynchronous over synchronous, a negative loss counted as 0). Models: "
-            + models
-            + ". The SIGTERM rows: a run without scheduled saves, signalled through the launcher after 3 logged "
-            "windows; seconds to the launcher's exit against the median window's step plus the save the signal "
-            "caused (rank 0's log), the goal a ratio of at most 1."
+            f"The deepspeed launcher, ZeRO-2, {', '.join(COMMON)}. Per case and round ({count} rounds): {STEPS} "
+            f"steps without saves, with a save every {SAVE_EVERY} steps, and with trainer.async_save; the loss per "
+            "save is the timed windows' total (every window after the first) less the run's without saves, over "
+            f"the {saves_timed()} saves in them, the median over rounds, in steps (the baseline and engine columns "
+            "of the first rows; their ratio is asynchronous over synchronous, a negative loss counted as 0). Cases: "
+            + cases
+            + ". The SIGTERM rows: a run without scheduled saves, SIGTERM to every process of the job (its own "
+            "session) after 3 logged windows; seconds to the last rank's exit (an exited rank its launcher has "
+            "not reaped counts as gone; the deepspeed launcher itself exits about 2.4 s later, polling once a "
+            "second and unloading torch) against the median window's step plus the save the signal caused "
+            "(rank 0's log), the goal a ratio of at most 1. On 2 cores, 2 ranks "
+            "leave the background writer no idle core: it fills the ranks' waits, and its copying competes with "
+            "theirs for memory bandwidth."
         ),
         rows=rows + exit_rows,
         panels=[
             Panel(
-                title="checkpointing: training time lost per save, in steps",
-                xlabel="model (0: synthetic GPT 29M, 1: shakespeare)",
+                title="checkpointing: steps of training lost per save",
+                xlabel="case (0: GPT 29M 2 ranks, 1: GPT 29M 1 rank, 2: shakespeare 2 ranks)",
                 ylabel="steps lost per save",
                 series=series,
             )

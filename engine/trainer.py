@@ -66,7 +66,8 @@ class Trainer:
             self.data.train.windows(dp_rank, config.dp_size) if isinstance(self.data.train, StreamedCorpus) else None
         )
         start_step = self.checkpoints.resume(backend, stream)
-        loop_settings = self.loop_settings(self.stop_requests())
+        stops = self.stop_requests()
+        loop_settings = self.loop_settings(stops)
         logger = MetricsLogger(
             self.output_dir,
             enabled=is_main_process(),
@@ -94,7 +95,12 @@ class Trainer:
             logger.close()
             return EXIT_PREEMPTED
         if trainer.export:
-            self.export(backend, step_tag(end.saved), logger)
+            self.export(backend, end.saved, logger, stops)
+        if stops is not None and stops.signalled():
+            # After the last step's save: nothing is lost by ending, and the scheduler's grace is running.
+            logger.write(f"{stops.signal_name()} received after the last step, which is saved: ending (exit code 0)")
+            logger.close()
+            return 0
         logger.close()
         if trainer.plots and is_main_process():
             paths = write_plots(self.output_dir)
@@ -193,11 +199,12 @@ class Trainer:
             elif saved != now:
                 logger.write(f"resumed on another layout: saved on {saved}, now {now}")
 
-    def export(self, backend: Backend, tag: str, logger: MetricsLogger) -> None:
-        """Collective: rank 0 consolidates checkpoint `tag` into the export (and samples text from
-        it); the others wait."""
+    def export(self, backend: Backend, step: int, logger: MetricsLogger, stops: StopRequests | None) -> None:
+        """Collective: rank 0 consolidates the checkpoint of `step` into the export (and samples text
+        from it, unless a stop signal came); the others wait."""
         barrier()
-        state = backend.consolidated_state_dict(self.checkpoints.root, tag)
+        self.hooks.before_export(step)
+        state = backend.consolidated_state_dict(self.checkpoints.root, step_tag(step))
         if is_main_process():
             export_dir = self.output_dir / "export"
             tokenizer = self.data.tokenizer
@@ -212,7 +219,9 @@ class Trainer:
             )
             logger.write(f"exported consolidated fp32 weights to {export_dir}")
             tokens = self.config.trainer.sample_tokens
-            if tokens and tokenizer is not None:
+            if tokens and tokenizer is not None and stops is not None and stops.signalled():
+                logger.write(f"{stops.signal_name()} received: the export is written, text sampling skipped")
+            elif tokens and tokenizer is not None:
                 text = sample_text(self.family, export_dir, tokenizer, tokens, self.config.trainer.seed)
                 logger.write("sample:\n" + text)
         barrier()

@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -95,7 +94,7 @@ class AccelerateBackend(Backend):
         self._skips_nonfinite = settings.nonfinite == "skip"
         self._norm: torch.Tensor | None = None
         self._check_wrapper()
-        # trainer.async_save: torch's writer process is set up over a gloo group of the ranks' own,
+        # trainer.async_save: torch's writer thread agrees on its plan over a gloo group of its own,
         # beside the training's collectives on the default group.
         self._save_group = dist.new_group(backend="gloo") if settings.async_save else None
         self._upload: Future | None = None
@@ -213,9 +212,10 @@ class AccelerateBackend(Backend):
         return None  # fp16 is refused on this backend (engine/config/rules.py)
 
     def save(self, checkpoint_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
-        """torch distributed checkpoint's files, or under trainer.async_save its `async_save` in
-        process mode: the state copied to host memory here, written by torch's checkpoint process
-        (`writes_done`), which plans over its own process group."""
+        """torch distributed checkpoint's files, or under trainer.async_save its `async_save`: the
+        state copied to host memory here, written by torch's thread (`writes_done`). Its thread
+        mode, not its process mode: the launchers' SIGTERM reaches a rank's children, and torch's
+        checkpoint process would die of it in the middle of the save the signal asks for."""
         path = checkpoint_dir / tag
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
@@ -223,12 +223,7 @@ class AccelerateBackend(Backend):
             dcp.save(state, checkpoint_id=str(path))
         else:
             path.mkdir(parents=True, exist_ok=True)
-            self._upload = dcp.async_save(
-                state,
-                checkpoint_id=str(path),
-                process_group=self._save_group,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            )
+            self._upload = dcp.async_save(state, checkpoint_id=str(path), process_group=self._save_group)
             self.hooks.during_write(client_state["step"])
         # Lets a resume under DeepSpeed find each parameter by the unsplit model's name (a tied weight's too).
         module = self._unwrapped()

@@ -49,9 +49,12 @@ class StepHooks:
     def before_eval(self, step: int) -> None:
         """The evaluation after step `step` is about to start."""
 
+    def before_export(self, step: int) -> None:
+        """The export of the checkpoint of `step`, the run's last, is about to start."""
+
     def during_write(self, step: int) -> None:
-        """The background writer of the checkpoint of `step` has written part of it (trainer.async_save;
-        called on the writer's thread)."""
+        """The first file of the checkpoint of `step` has gone to the background writer, its files not
+        yet whole (trainer.async_save)."""
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,21 @@ class DeepSpeedEngineBackend(Backend):
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
 
+    def start_writer(self, settings: BackendSettings) -> None:
+        """trainer.async_save: start the writer process before `deepspeed.initialize`, so that its
+        start-up overlaps DeepSpeed's."""
+        self._writer = BackgroundWriter() if settings.async_save else None
+
     def write_in_background(self, settings: BackendSettings) -> None:
         """trainer.async_save: every file DeepSpeed's `save_checkpoint` writes goes through the
         engine's background checkpoint engine (engine/checkpoints/background.py says why not
         DeepSpeed's decoupled one). Set after `deepspeed.initialize`, which builds its torch.save
         engine; loads read with torch.load as that one does."""
-        if settings.async_save:
-            checkpoint_engine = BackgroundCheckpointEngine(self.engine._config, settings.hooks.during_write)
-            self.engine.checkpoint_engine, self._writer = checkpoint_engine, checkpoint_engine.writer
+        if self._writer is not None:
+            self._writer.wait_ready()
+            self.engine.checkpoint_engine = BackgroundCheckpointEngine(
+                self.engine._config, self._writer, settings.hooks.during_write
+            )
 
     def writes_done(self) -> bool:
         return self._writer is None or self._writer.done()
@@ -283,6 +290,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._names = tensor_names(model)
         self._aliases = tied_aliases(model)
         defer_norm_checks(settings)
+        self.start_writer(settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=groups,

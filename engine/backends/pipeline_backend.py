@@ -140,6 +140,7 @@ class PipelineBackend(DeepSpeedEngineBackend):
         self.grid = self.module.mpu()
         count_in_norm_once(self.module, self.grid.get_slice_parallel_rank())
         defer_norm_checks(settings)
+        self.start_writer(settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
             model_parameters=parameter_groups(

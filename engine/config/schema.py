@@ -827,11 +827,12 @@ _TRAINER = _object(
             minimum=0,
         ),
         "async_save": _boolean(
-            "Write checkpoints while training goes on: a save waits only for a copy of each rank's state in host "
-            "memory (one more copy of the rank's checkpointed states there), a thread writes it, and the checkpoint "
-            "is published at a later step boundary once every rank's files are whole. DeepSpeed writes through the "
-            "engine's threaded checkpoint engine on every layout; accelerate through torch distributed checkpoint's "
-            "async_save. Refused with checkpoint.writer (DeepSpeed's FastPersist engine).",
+            "Write checkpoints while training goes on: a save waits only for a copy of each rank's state in shared "
+            "host memory (kept for the next save: one more copy of the rank's checkpointed states there), a writer "
+            "process per rank writes it at idle CPU priority, and the checkpoint is published at a later step "
+            "boundary once every rank's files are whole. DeepSpeed on every layout, through the engine's background "
+            "checkpoint engine; accelerate through torch distributed checkpoint's async_save. Refused with "
+            "checkpoint.writer (DeepSpeed's FastPersist engine).",
             False,
         ),
         "save_on_signal": _boolean(

@@ -2,8 +2,8 @@
 
 `ENGINE_FAULT="kill,rank=1,step=3"` makes rank 1 act after optimizer step 3 (`at=save`: in the
 checkpoint save of step 3, once its own files are written and before the checkpoint is published;
-`at=write`: on the background writer of that save, part-way through its files (trainer.async_save);
-`at=eval`: as the evaluation after step 3 starts):
+`at=write`: once the first file of that save has gone to the background writer (trainer.async_save);
+`at=eval`: as the evaluation after step 3 starts; `at=export`: as the export of step 3, the last, starts):
   kill   SIGKILL itself, as a segfault or the kernel's out-of-memory killer would;
   hang   SIGSTOP itself, as a rank stuck in a driver call or on a lost node would look;
   raise  raise a Python error, as a bug or a bad batch would;
@@ -32,7 +32,7 @@ from engine.launch.detect import LAUNCHER_PID_ENV
 
 ENV_VAR = "ENGINE_FAULT"
 ACTIONS = ("kill", "hang", "raise", "nan", "signal")
-POINTS = ("step", "save", "eval", "write")
+POINTS = ("step", "save", "eval", "write", "export")
 # Longer than the window in which copies of one signal count once (engine/failures/preemption.py).
 _SECOND_SIGNAL_AFTER_S = 3.0
 
@@ -150,3 +150,6 @@ class FaultHooks(StepHooks):
 
     def during_write(self, step: int) -> None:
         inject(self.fault, self.rank, "write", step)
+
+    def before_export(self, step: int) -> None:
+        inject(self.fault, self.rank, "export", step)

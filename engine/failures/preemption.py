@@ -52,6 +52,14 @@ class _Received:
     at: float = 0.0
 
 
+_first_in_process = _Received()  # signals are the process's, whichever StopRequests caught them
+
+
+def signal_received() -> int:
+    """The first stop signal this process caught (0: none yet)."""
+    return _first_in_process.signum
+
+
 class StopRequests:
     """This rank's requests to stop early, and the collective decision to act on them.
 
@@ -97,6 +105,8 @@ class StopRequests:
                 print(f"second signal ({signal.Signals(signum).name}): ending without a save", flush=True)
                 os._exit(128 + signum)
             self._received = _Received(signum, now)
+            if _first_in_process.signum == 0:
+                _first_in_process.signum, _first_in_process.at = signum, now
         name = signal.Signals(signum).name
         print(f"{name} received: saving at the next step boundary (at most {self.grace_s:g} s)", flush=True)
         timer = threading.Timer(self.grace_s, self._grace_over, args=(signum,))
@@ -110,6 +120,10 @@ class StopRequests:
     def signalled(self) -> bool:
         """Whether this rank was signalled (no collective: evaluation asks between its batches)."""
         return self._received.signum != 0
+
+    def signal_name(self) -> str | None:
+        """The signal this rank caught first, by name (None: none)."""
+        return signal.Signals(self._received.signum).name if self._received.signum else None
 
     def until_signalled(self, items: Iterable[Item]) -> Iterator[Item]:
         """`items` until any rank is signalled, agreed before each item (collective): every rank stops

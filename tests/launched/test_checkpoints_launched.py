@@ -33,8 +33,17 @@ RUN = {
 @pytest.mark.launch
 def test_a_resume_with_no_step_left_saves_in_its_own_layout_and_exports(tmp_path: Path):
     """Resuming another run's checkpoint at its last step trains nothing: the state it loaded is
-    saved as this run's (here converted from ZeRO-2 on 2 ranks to one process) and exported."""
-    source = launch(GPT, {"zero_optimization.stage": 2, "trainer.max_steps": 3}, tmp_path / "source")
+    saved as this run's (here converted from ZeRO-2 on 2 ranks to one process) and exported. The
+    source run is sent SIGTERM as its export starts: its last step is saved, so it writes the export,
+    skips the text sample and ends with 0."""
+    fault = {"ENGINE_FAULT": "signal,rank=0,step=3,at=export,sig=SIGTERM"}
+    source_run = {"zero_optimization.stage": 2, "trainer.max_steps": 3, "trainer.sample_tokens": 16}
+    finished = run_launcher(deepspeed_launcher(2), GPT, source_run, tmp_path / "source", fault)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "SIGTERM received: the export is written, text sampling skipped" in finished.stdout
+    assert "sample:" not in finished.stdout
+    assert "SIGTERM received after the last step, which is saved: ending (exit code 0)" in finished.stdout
+    source = read_run(tmp_path / "source")
     overrides = {
         "zero_optimization.stage": 1,
         "gradient_accumulation_steps": 2,
@@ -235,11 +244,13 @@ def test_a_resume_on_a_corpus_with_other_characters_stops_before_any_process_gro
 @pytest.mark.launch
 def test_zero3_checkpoints_hold_the_gathered_weights_when_asked(tmp_path: Path):
     """`stage3_gather_16bit_weights_on_model_save` puts DeepSpeed's gathered state dict in every
-    checkpoint; at the last step it is the very weights the export holds."""
+    checkpoint; at the last step it is the very weights the export holds. Saved in the background
+    (trainer.async_save): the gathered file, ZeRO-3's shards and the export read from them agree."""
     overrides = {
         "zero_optimization.stage": 3,
         "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
         "trainer.max_steps": 2,
+        "trainer.async_save": True,
     }
     run = launch(GPT, overrides, tmp_path / "run")
     gathered = torch.load(run.output_dir / "checkpoints" / "step00000002" / "pytorch_model.bin", weights_only=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -16,10 +17,10 @@ import torch.distributed.checkpoint as dcp
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint import FileSystemWriter
 
-from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter, pack
-from engine.checkpoints.writer_process import Slot, rebuild
+from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter
+from engine.checkpoints.packing import Slot, pack, rebuild
 from engine.config.errors import ConfigError
 from engine.config.load import load_config
 from engine.launch.hardware import Hardware
@@ -70,7 +71,7 @@ def test_the_writer_process_writes_what_a_synchronous_save_writes(tmp_path: Path
     same: values, types, storage sharing and the state_dict's versions."""
     state, written = live_state(), []
     TorchCheckpointEngine(None).save(state, str(tmp_path / "sync.pt"))
-    engine = BackgroundCheckpointEngine(None, written.append)
+    engine = BackgroundCheckpointEngine(None, BackgroundWriter(), written.append)
     engine.create(CheckpointCommitInfo(tag="step00000004.partial", save_dir=str(tmp_path), save_latest=False))
     engine.save(state, str(tmp_path / "async.pt"))
     engine.save({"second": torch.zeros(2)}, str(tmp_path / "second.pt"))
@@ -87,16 +88,23 @@ def test_the_writer_process_writes_what_a_synchronous_save_writes(tmp_path: Path
 
 def test_a_failed_write_and_a_dead_writer_are_raised_on_the_rank(tmp_path: Path):
     writer = BackgroundWriter()
+    writer.wait_ready()
+    os.kill(writer._process.pid, signal.SIGTERM)  # a scheduler's, to every process of the job: ignored
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "x.pt"), zipfile=True)
+    writer.wait()
     writer.submit({"x": torch.zeros(2)}, str(tmp_path / "missing" / "x.pt"), zipfile=True)
     with pytest.raises(RuntimeError, match=r"a checkpoint write failed: .*missing/x.pt: RuntimeError: Parent"):
         writer.wait()
-    writer.wait()  # the failure was reported once; the writer goes on
-    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "x.pt"), zipfile=True)
-    writer.wait()
-    assert torch.equal(torch.load(tmp_path / "x.pt")["x"], torch.zeros(2))
+    assert writer.done() and writer._process.is_alive()  # the failure was reported once; the writer goes on
     os.kill(writer._process.pid, signal.SIGKILL)
     writer._process.join()
-    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "y.pt"), zipfile=True)
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "y.pt"), zipfile=True)  # a new writer, nothing in flight
+    writer.wait()
+    assert torch.equal(torch.load(tmp_path / "y.pt")["x"], torch.zeros(2))
+    os.kill(writer._process.pid, signal.SIGSTOP)  # so that the next file cannot be written before it dies
+    writer.submit({"x": torch.zeros(2)}, str(tmp_path / "z.pt"), zipfile=True)
+    os.kill(writer._process.pid, signal.SIGKILL)
+    writer._process.join()
     with pytest.raises(RuntimeError, match=r"the checkpoint writer process died \(exit code -9\) with 1 files"):
         writer.wait()
 
@@ -114,17 +122,27 @@ def one_process_group():
             destroy_process_group()
 
 
+class GatedWriter(FileSystemWriter):
+    """Holds the write until the test lets it go: the training moves on meanwhile."""
+
+    def __init__(self, path: str, gate: threading.Event):
+        super().__init__(path)
+        self.gate = gate
+
+    def write_data(self, plan, planner):
+        self.gate.wait()
+        return super().write_data(plan, planner)
+
+
 def test_torch_async_save_writes_the_state_staged_when_it_was_called(one_process_group, tmp_path: Path):
-    """The accelerate backend's path (process mode): on CPU the staged copy must not be the live tensor."""
+    """The accelerate backend's path: on CPU the staged copy must not be the live tensor either."""
     model = torch.nn.Linear(4, 2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    upload = dcp.async_save(
-        {"model": model.state_dict()},
-        checkpoint_id=str(tmp_path),
-        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-    )
+    gate = threading.Event()
+    upload = dcp.async_save({"model": model.state_dict()}, storage_writer=GatedWriter(str(tmp_path), gate))
     with torch.no_grad():
         model.weight.add_(1.0)
+    gate.set()
     upload.result()
     restored = {"model": {name: torch.empty_like(tensor) for name, tensor in before.items()}}
     dcp.load(restored, checkpoint_id=str(tmp_path))
