@@ -24,8 +24,8 @@ from engine.checkpoints.packing import Slot, pack, rebuild
 from engine.config.errors import ConfigError
 from engine.config.load import load_config
 from engine.launch.hardware import Hardware
-from engine.parallel.process_group import destroy_process_group, init_process_group
-from tests.support.launch import ROOT, free_port
+from tests.support.launch import ROOT
+from tests.support.process_group import world_of_one  # noqa: F401 (a fixture: pytest finds it by name)
 
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=1)
 LARGE = 300_000  # floats: over 1 MB, so in shared memory of its own
@@ -109,19 +109,6 @@ def test_a_failed_write_and_a_dead_writer_are_raised_on_the_rank(tmp_path: Path)
         writer.wait()
 
 
-@pytest.fixture
-def one_process_group():
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-            patch.setenv(name, value)
-        patch.setenv("MASTER_PORT", str(free_port()))
-        init_process_group("cpu")
-        try:
-            yield
-        finally:
-            destroy_process_group()
-
-
 class GatedWriter(FileSystemWriter):
     """Holds the write until the test lets it go: the training moves on meanwhile."""
 
@@ -134,7 +121,8 @@ class GatedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def test_torch_async_save_writes_the_state_staged_when_it_was_called(one_process_group, tmp_path: Path):
+@pytest.mark.usefixtures("world_of_one")
+def test_torch_async_save_writes_the_state_staged_when_it_was_called(tmp_path: Path):
     """The accelerate backend's path: on CPU the staged copy must not be the live tensor either."""
     model = torch.nn.Linear(4, 2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}

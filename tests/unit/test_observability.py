@@ -19,9 +19,9 @@ from engine.launch.hardware import Hardware
 from engine.observability.metrics import MetricsLogger, read_records
 from engine.observability.plots import write_plots
 from engine.observability.sinks import DEEPSPEED_ENGINE_EVENTS, MonitorSink, record_events
-from engine.parallel.process_group import destroy_process_group, init_process_group
-from tests.support.launch import ROOT, free_port
+from tests.support.launch import ROOT
 from tests.support.monitor import JOB_NAME, csv_rows, csv_values, tensorboard_events, tensorboard_values
+from tests.support.process_group import world_of_one  # noqa: F401 (a fixture: pytest finds it by name)
 
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=1)
 GIB = 2**30
@@ -136,27 +136,13 @@ def test_record_events_are_named_in_deepspeeds_style_at_samples_seen():
     assert "Train/Samples/loss" in left
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    """deepspeed.comm up in this process, as engine.session starts it on every backend: DeepSpeed's
-    MonitorMaster asks it for the rank."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-            patch.setenv(name, value)
-        patch.setenv("MASTER_PORT", str(free_port()))
-        init_process_group("cpu")
-        try:
-            yield
-        finally:
-            destroy_process_group()
-
-
 def accelerate_config(output_dir: Path, *sets: str):
     overrides = ["trainer.backend=accelerate", f"trainer.output_dir={output_dir}", *sets]
     return load_config(ROOT / "configs/tiny_gpt.json", overrides, world_size=1, hardware=CPU)
 
 
-def test_monitor_sink_writes_csv_and_tensorboard_for_the_accelerate_backend(world_of_one, tmp_path: Path):
+@pytest.mark.usefixtures("world_of_one")
+def test_monitor_sink_writes_csv_and_tensorboard_for_the_accelerate_backend(tmp_path: Path):
     config = accelerate_config(tmp_path, "tensorboard.enabled=true", "csv_monitor.enabled=true")
     deepspeed_config = config.deepspeed_config()
     for key in ("tensorboard", "csv_monitor"):
@@ -179,7 +165,8 @@ def test_monitor_sink_writes_csv_and_tensorboard_for_the_accelerate_backend(worl
     assert tensorboard_values(directory, "Memory/Samples/rank1/rss_gib") == pytest.approx(rss, rel=1e-6)
 
 
-def test_a_resumed_run_rewinds_csv_and_tensorboard_to_its_step(world_of_one, tmp_path: Path):
+@pytest.mark.usefixtures("world_of_one")
+def test_a_resumed_run_rewinds_csv_and_tensorboard_to_its_step(tmp_path: Path):
     """A run that logged steps 1-4 and crashed, resumed from its step-2 checkpoint, logs steps 3
     and 4 again (other values: another process, another machine). Each CSV file keeps one header
     and each step once, and TensorBoard's reader keeps only the resumed values."""
@@ -211,11 +198,13 @@ def test_a_resumed_run_rewinds_csv_and_tensorboard_to_its_step(world_of_one, tmp
     assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == losses
 
 
-def test_no_sink_when_every_monitor_is_off(world_of_one, tmp_path: Path):
+@pytest.mark.usefixtures("world_of_one")
+def test_no_sink_when_every_monitor_is_off(tmp_path: Path):
     assert not MonitorSink.from_config(accelerate_config(tmp_path).deepspeed_config()).enabled
 
 
-def test_wandb_sink_logs_offline(world_of_one, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.usefixtures("world_of_one")
+def test_wandb_sink_logs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """wandb 0.31 writes no summary file offline and has no reader for its run log, so the check is
     that every event name and every logged loss (as wandb encodes values, JSON) is in that log."""
     monkeypatch.setenv("WANDB_MODE", "offline")
