@@ -24,6 +24,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from engine.parallel.process_group import host_group
+
 # Launchers pass a signal to a rank and to its supervisor, which passes it on again: copies of one
 # signal arrive within this window and count once.
 _SAME_SIGNAL_WINDOW_S = 2.0
@@ -78,7 +80,7 @@ class StopRequests:
     def install(self) -> StopRequests:
         """Catch the signals; collective where a process group is up (the ranks' host-side group)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._group = host_group()
         if not self.signals:
             return self
         read_end, write_end = os.pipe()
