@@ -17,6 +17,7 @@ from bench.results import Panel, Result, Row
 STORE = Path(__file__).resolve().parent / "results.json"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 REPORT, PLOT = DOCS / "benchmarks.md", DOCS / "benchmarks.png"
+GPU_CHECK = STORE.with_name("gpu_check.json")  # the last `make gpu-check` on a GPU (bench/gpu_check.py)
 
 
 def load_results() -> tuple[dict[str, Result], list[dict[str, Any]]]:
@@ -66,6 +67,8 @@ def write_report(results: list[Result], history: list[dict[str, Any]]) -> None:
     ]
     if panels:
         lines += [f"![benchmark plots]({PLOT.name})", ""]
+    if GPU_CHECK.exists():
+        lines += ["## GPU node check", "", json.loads(GPU_CHECK.read_text())["markdown"]]
     for result in results:
         lines += _section(result)
     lines += _history(history)

@@ -25,6 +25,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+from engine.backends import fp16_loss_scale
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.backends.zero_checks import defer_norm_checks
@@ -41,7 +42,12 @@ from engine.checkpoints.universal import (
     universal_info,
 )
 from engine.observability.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
-from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
+from engine.parallel.consolidate import (
+    fp16_optimizer_masters,
+    gather_full_state,
+    saved_fp16_optimizer_masters,
+    tensor_names,
+)
 from models.common import persistent_buffers
 
 
@@ -286,7 +292,8 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         ds_config, grid = settings.deepspeed_config, settings.grid
         groups = parameter_groups(model.parameters(), ds_config["optimizer"], settings.weight_decay_on)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
-        self._trainable = [names[id(parameter)] for group in groups for parameter in group["params"]]
+        self._groups = [[names[id(parameter)] for parameter in group["params"]] for group in groups]
+        self._trainable = [name for group in self._groups for name in group]
         self._names = tensor_names(model)
         self._aliases = tied_aliases(model)
         defer_norm_checks(settings)
@@ -308,6 +315,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
+        self._scales_loss = fp16_loss_scale.needs_scaling(self.engine.optimizer)
         if self._zero_stage == 0 and self.engine.dp_world_size == 1:
             # Without ZeRO, DeepSpeed averages the gradients over the data-parallel group even when
             # that group is this rank alone: every step it flattens every gradient, all-reduces the
@@ -338,7 +346,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             with self.phase("forward"):
                 loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch))
             with self.phase("backward"):
-                self.engine.backward(loss)
+                self.engine.backward(fp16_loss_scale.scaled(self.engine.optimizer, loss) if self._scales_loss else loss)
             if micro_step == self._accumulation - 1:
                 self._measure_norm()
             with self.phase("step"):
@@ -384,9 +392,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         weights = {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
         if self._mixed_precision:
-            # ZeRO-0 under fp16/bf16: DeepSpeed's fp16-style optimizer holds the fp32 masters group
-            # by group, in the order of the parameters handed to deepspeed.initialize.
-            masters = [master for group in states["optimizer"]["fp32_groups"] for master in group]
+            masters = saved_fp16_optimizer_masters(states["optimizer"], [[weights[n] for n in g] for g in self._groups])
             weights.update(zip(self._trainable, (master.float() for master in masters), strict=True))
             # A tied weight's second name (GPT-2's lm_head) holds the same master.
             weights.update({alias: weights[name] for alias, name in self._aliases.items()})

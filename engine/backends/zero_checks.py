@@ -54,19 +54,19 @@ def check_internals() -> None:
                 "engine/backends/zero_checks.py must follow this DeepSpeed release"
             )
         for function, fragment in places:
-            if fragment not in _source(function):
+            if fragment not in source_of(function):
                 raise RuntimeError(
                     f"{function.__qualname__} no longer calls {fragment}: engine/backends/zero_checks.py must "
                     "follow this DeepSpeed release"
                 )
 
 
-def _source(function: Callable[..., Any]) -> str:
+def source_of(function: Callable[..., Any]) -> str:
     """The source of `function`, or of the function a decorator wraps (DeepSpeed's `instrument_w_nvtx`
     keeps it in a closure, without `functools.wraps`)."""
     for cell in function.__closure__ or ():
         if inspect.isfunction(cell.cell_contents):
-            return _source(cell.cell_contents)
+            return source_of(cell.cell_contents)
     return inspect.getsource(function)
 
 

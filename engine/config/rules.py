@@ -61,6 +61,14 @@ def auto_bf16(document: dict, hardware: Hardware) -> bool:
     return not document["torch_autocast"]["enabled"] and hardware.device_type == "cuda" and hardware.bf16_supported
 
 
+def auto_torch_adam(document: dict) -> bool:
+    """What optimizer.params.torch_adam "auto" resolves to: torch's Adam, which needs no compiler, wherever
+    DeepSpeed would build its FusedAdam; DeepSpeed's own Adam under optimizer offload (its C++ CPU Adam is
+    the fast host optimizer) and with legacy_fusion, which only FusedAdam's fp16 wrapper reads."""
+    offloaded = document["zero_optimization"]["offload_optimizer"]["device"] != "none"
+    return not offloaded and not document["optimizer"].get("legacy_fusion")
+
+
 def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """What DeepSpeed's PipelineEngine cannot do, refused before it asserts at run time."""
     parallel, model = document["parallel"], document["model"]
@@ -89,6 +97,13 @@ def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -
             "ZeRO-0 with bf16 under pipeline parallelism trains, but DeepSpeed's BF16_Optimizer cannot load the "
             "checkpoints it writes (KeyError in _load_legacy_checkpoint); use stage 1, which resumes, and whose "
             "optimizer states on one data-parallel replica are the same",
+        )
+    if stage == 0 and document["fp16"]["enabled"] is True:
+        yield ConfigIssue(
+            "zero_optimization.stage",
+            "ZeRO-0 with fp16 under pipeline parallelism would not scale the loss: DeepSpeed's pipeline engine "
+            "backpropagates the last stage's loss unscaled, then its FP16_Optimizer divides the gradients by the "
+            "loss scale; use stage 1, whose ZeRO optimizer scales it",
         )
     if model["activation_checkpointing"]:
         yield ConfigIssue(
@@ -233,6 +248,15 @@ def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> It
             'use type "Adam" with adam_w_mode false, or drop the key',
         )
     deepspeed = effective_backend(document["trainer"]["backend"]) == "deepspeed"
+    torch_adam = optimizer["params"].get("torch_adam")
+    torch_adam = auto_torch_adam(document) if torch_adam == AUTO else torch_adam
+    if deepspeed and optimizer["params"].get("fused") is True and torch_adam is False:
+        yield ConfigIssue(
+            "optimizer.params.fused",
+            "true asks for torch's fused Adam, but torch_adam resolves to false, so DeepSpeed builds its own Adam "
+            "(FusedAdam, or CPU Adam under optimizer offload), which has no such switch; set "
+            "optimizer.params.torch_adam to true or drop fused",
+        )
     if deepspeed and optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
         yield ConfigIssue(
             "zero_allow_untested_optimizer",

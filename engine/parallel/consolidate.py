@@ -11,6 +11,7 @@ of every stage.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,17 @@ def fp16_optimizer_masters(optimizer: object) -> dict[int, torch.Tensor]:
         for parameters, group_masters in zip(groups, masters, strict=True)
         for parameter, master in zip(parameters, group_masters, strict=True)
     }
+
+
+def saved_fp16_optimizer_masters(state: Mapping[str, Any], groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The fp32 masters in a saved `state_dict()` of the same two optimizers, parameter by parameter in
+    the order of `groups` (a tensor of each parameter's shape, group by group, as the groups were
+    handed to `deepspeed.initialize`): FP16_UnfusedOptimizer's `fp32_groups` as they are,
+    FP16_Optimizer's `fp32_groups_flat` cut back into the group's shapes."""
+    if "fp32_groups" in state:
+        return [master for group in state["fp32_groups"] for master in group]
+    flats = zip(state["fp32_groups_flat"], groups, strict=True)
+    return [master for flat, group in flats for master in _unflatten_dense_tensors(flat, group)]
 
 
 def fp32_value(tensor: torch.Tensor, mixed_precision: bool, masters: Mapping[int, torch.Tensor]) -> torch.Tensor:

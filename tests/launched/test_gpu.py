@@ -52,17 +52,20 @@ def test_model_parallel_bf16_trains_over_nccl(parallel: dict, tmp_path: Path):
 
 @pytest.mark.gpu
 @pytest.mark.launch
-def test_fp16_overflows_are_skipped_by_the_loss_scaler_and_reported(tmp_path: Path):
+@pytest.mark.parametrize("stage", [0, 2], ids=["zero0", "zero2"])
+def test_fp16_overflows_are_skipped_by_the_loss_scaler_and_reported(stage: int, tmp_path: Path):
     """A loss scale of 2**24 overflows fp16 gradients at once: the scaler halves it step by step
-    (hysteresis 1), each overflow is counted and reported, and none stops the run under "stop"."""
+    (hysteresis 1), each overflow is counted and reported, and none stops the run under "stop".
+    At ZeRO-0 the engine scales the loss that DeepSpeed's engine.backward leaves unscaled there."""
     overrides = {
         "fp16.enabled": True,
         "fp16.initial_scale_power": 24,
         "fp16.hysteresis": 1,
-        "zero_optimization.stage": 2,
+        "zero_optimization.stage": stage,
         "trainer.max_steps": 16,
     }
     run = launch("configs/tiny_gpt.json", overrides, tmp_path, nproc=1)
+    assert json.loads((tmp_path / "resolved_config.json").read_text())["zero_optimization"]["stage"] == stage
     skipped = [record["skipped_steps"] for record in run.records]
     scales = [record["loss_scale"] for record in run.records]
     assert skipped[0] >= 1 and skipped == sorted(skipped)
@@ -87,3 +90,54 @@ def test_a_quiet_step_never_reads_the_gpu(stage: int, tmp_path: Path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     counts = json.loads((tmp_path / "counts-0.json").read_text())["engine"]
     assert counts["counted_steps"] > 0 and counts["syncs_per_step"] == 0, counts
+
+
+# Each precision as a user writes it, on one GPU. "bf16" takes the single-rank route (ZeRO-0 and
+# torch_autocast); "bf16, ZeRO-2" keeps DeepSpeed's bf16 optimizer; fp16 keeps its stage either way.
+PRECISIONS = {
+    "fp32": {},
+    "bf16": {"bf16.enabled": True, "zero_optimization.stage": 2},
+    "bf16-zero2": {"bf16.enabled": True, "zero_optimization.stage": 2, "trainer.single_rank_fast_path": False},
+    "bf16-zero0-fused-adam": {"bf16.enabled": True, "optimizer.params.torch_adam": False},
+    "fp16-zero0": {"fp16.enabled": True, "zero_optimization.stage": 0},
+    "fp16-zero2": {"fp16.enabled": True, "zero_optimization.stage": 2},
+    "torch_autocast": {"torch_autocast.enabled": True},
+    "bf16-async-save": {"bf16.enabled": True, "trainer.async_save": True},
+    "bf16-zero2-offload": {
+        "bf16.enabled": True,
+        "zero_optimization.stage": 2,
+        "zero_optimization.offload_optimizer.device": "cpu",
+    },
+}
+# Losses of the resumed steps and exported weights against the uninterrupted run: CUDA's embedding
+# backward adds with atomics, so a resume is equal to rounding, not bit for bit.
+RESUME_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_every_precision_trains_saves_resumes_and_exports_on_one_gpu(precision: str, tmp_path: Path):
+    """Eight steps saved at step 4 and exported; a second run resumes the step-4 checkpoint and must
+    train steps 5-8 to the same losses and export the same fp32 weights."""
+    run = {
+        **PRECISIONS[precision],
+        "model.dropout": 0.0,
+        "trainer.max_steps": 8,
+        "trainer.save_interval": 4,
+        "trainer.eval_interval": 4,
+    }
+    straight = launch("configs/tiny_gpt.json", run, tmp_path / "straight", nproc=1)
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step00000004"
+    resumed = launch("configs/tiny_gpt.json", {**run, "trainer.resume": str(checkpoint)}, tmp_path / "resumed", nproc=1)
+    assert all(torch.isfinite(torch.tensor(straight.losses)))
+    assert straight.losses[-1] < straight.losses[0]
+    norms = [record["grad_norm"] for record in straight.records]
+    assert all(1e-3 < norm < 1e3 for norm in norms), norms  # gradients unscaled exactly once
+    assert [record["step"] for record in resumed.records] == [5, 6, 7, 8]
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses[4:]), **RESUME_TOLERANCE)
+    exported, expected = resumed.exported_state_dict(), straight.exported_state_dict()
+    assert exported.keys() == expected.keys()
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, expected[name], **RESUME_TOLERANCE, msg=name)

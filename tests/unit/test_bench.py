@@ -31,7 +31,11 @@ LAUNCHED = [
         pytest.param(memory.CONFIG, [*memory.COMMON, *layout, *MEMORY_RUN], memory.RANKS, id=f"memory-{name}")
         for name, layout in memory.LAYOUTS.items()
     ),
-    *(pytest.param(gpu.CONFIG, [*gpu.COMMON, *sets, *RUN], 1, id=f"gpu-{name}") for name, sets in gpu.VARIANTS.items()),
+    *(
+        pytest.param(subject.config, [*subject.common, *sets, *GPU_RUN], 1, id=f"gpu-{subject.label}-{name}")
+        for subject in gpu.SUBJECTS
+        for name, sets in subject.variants.items()
+    ),
     *(
         pytest.param(
             optimizer_step.CONFIG,
@@ -160,8 +164,13 @@ def test_failed_gpu_variant_keeps_the_others_figures_and_fails_the_run(
     pair = Pair(engine=Side(0.05, 327_680.0, [], None), baseline=Side(0.04, 409_600.0, [], None), ratio=0.8, machine={})
     failed = "compiled, SDPA, activation checkpointing"
     error = "python -m bench.paired torch ... exited 1; log trial.log:\nrank 0 failed: AttributeError: no such method"
-    result = gpu.speed_result({"eager, SDPA": [pair]}, {failed: error}, 10**9, 10**15, steps=60, machine={})
-    assert [row.quantity for row in result.rows] == ["eager, SDPA: tokens/s", "eager, SDPA: MFU"]
+    measured = {"GPT-2 124M": {"eager, SDPA": [pair]}}
+    result = gpu.speed_result(measured, {failed: error}, 60, flops={"GPT-2 124M": 10**9}, peak=10**15)
+    assert [row.quantity for row in result.rows] == [
+        "GPT-2 124M, eager, SDPA: tokens/s",
+        "GPT-2 124M, eager, SDPA: MFU",
+    ]
+    assert result.rows[0].goal == "ratio >= 0.98" and result.rows[0].met is False
     assert result.rows[1].engine == pytest.approx(327_680.0 * 10**9 / 10**15)
     monkeypatch.setitem(bench_main.BENCHMARKS, "gpu", lambda settings: result)
     assert bench_main.main(["gpu"]) == 1

@@ -176,6 +176,13 @@ def test_every_schema_error_is_reported_at_once():
             "torch_autocast.enabled: DeepSpeed's pipeline engine does not autocast its stages",
         ),
         (
+            with_changes(
+                fp16={"enabled": True}, zero_optimization={"stage": 0}, parallel={"pipeline_parallel_size": 2}
+            ),
+            2,
+            "zero_optimization.stage: ZeRO-0 with fp16 under pipeline parallelism would not scale the loss",
+        ),
+        (
             with_changes(torch_autocast={"enabled": True}, trainer={"backend": "accelerate"}),
             1,
             "torch_autocast.enabled: torch_autocast is a DeepSpeed section; on the accelerate backend bf16.enabled",
@@ -399,7 +406,7 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["train_batch_size"] == 2 * 2 * 4
     assert on_cpu["gradient_clipping"] == 1.0
     assert on_cpu["bf16"]["enabled"] is False
-    assert on_cpu["optimizer"]["params"]["torch_adam"] is True
+    assert on_cpu["optimizer"]["params"]["torch_adam"] is True and "fused" not in on_cpu["optimizer"]["params"]
     assert on_cpu["scheduler"]["params"]["total_num_steps"] == 77
     assert on_cpu["scheduler"]["params"]["warmup_max_lr"] == on_cpu["optimizer"]["params"]["lr"]
     assert on_cpu["zero_optimization"]["reduce_bucket_size"] == 40_000_000  # Megatron's floor
@@ -410,7 +417,8 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["trainer"]["peak_tflops"] is None  # no MFU claimed on a CPU
     on_gpu = resolve(check_document(document, 8, GPU), 8, GPU).document
     assert on_gpu["bf16"]["enabled"] is True
-    assert on_gpu["optimizer"]["params"]["torch_adam"] is False
+    assert on_gpu["optimizer"]["params"]["torch_adam"] is True  # no compiler needed (docs/design.md)
+    assert on_gpu["optimizer"]["params"]["fused"] is True  # torch's fused AdamW, one launch per step
     assert on_gpu["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
 
 

@@ -150,6 +150,13 @@ def test_one_rank_runs_zero0_and_autocast_where_nothing_is_sharded():
     assert accelerate.zero_stage == 3 and not accelerate.rerouted
 
 
+def test_one_rank_keeps_fp16_as_written():
+    """fp16's loss scaler, masters and checkpoint belong to its stage: the route leaves it alone."""
+    gpu = Hardware("cuda", bf16_supported=True, fp16_supported=True, cpu_count=16, local_world_size=1, name="H100")
+    config = load_config(GPT_CONFIG, ["zero_optimization.stage=2", "fp16.enabled=true"], world_size=1, hardware=gpu)
+    assert config.zero_stage == 2 and config.precision == "fp16" and not config.rerouted
+
+
 def test_deepspeed_timers_and_overflow_reads_are_off_unless_asked():
     config = resolved(["trainer.single_rank_fast_path=false", "bf16.enabled=true", "zero_optimization.stage=2"])
     ds_config = config.deepspeed_config()
