@@ -20,6 +20,7 @@ from engine.launch.detect import accelerate_settings
 from engine.launch.environment import write_launch_env
 from engine.launch.hardware import detect_hardware
 from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
+from engine.launch.ops import device_capabilities, op_problems, ops_needed
 from engine.parallel.layout import parallel_layout
 from engine.prepare import RunError, check_data
 
@@ -49,7 +50,13 @@ def train_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="CONFIG",
         help="HF Trainer's spelling of --deepspeed_config; bare, DeepSpeed scripts' flag (ignored)",
     )
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; LOCAL_RANK wins")
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="deepspeed passes --local_rank, torch.distributed.launch --local-rank; LOCAL_RANK wins",
+    )
     _add_overrides(parser)
     args = parser.parse_args(argv)
     hf_config = args.deepspeed if isinstance(args.deepspeed, str) else None
@@ -98,6 +105,12 @@ def _validate(args: argparse.Namespace) -> int:
         config, _ = check_data(config)
     except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
+        return 2
+    # The DeepSpeed ops the run will build, checked (compiler, arch list) but not built.
+    ops = [] if args.no_hardware_check else ops_needed(config.document, hardware.device_type)
+    problems = op_problems(ops, device_capabilities()) if ops else []
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
         return 2
     doc = config.document
     if config.trainer.backend == "accelerate":
@@ -247,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--check-ssh", action="store_true", help="check every hostfile host answers ssh (pdsh route)")
     validate.add_argument("--ssh-port", type=int, help="deepspeed's --ssh_port, for --check-ssh")
     validate.add_argument(
-        "--no-hardware-check", action="store_true", help="skip checks against this machine (fp16/bf16 support)"
+        "--no-hardware-check",
+        action="store_true",
+        help="skip checks against this machine (fp16/bf16 support, what DeepSpeed's ops need to build)",
     )
     validate.add_argument(
         "--print-resolved",

@@ -25,6 +25,7 @@ from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
 from engine.launch.hardware import Hardware, detect_hardware
+from engine.launch.ops import prepare_ops
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
 from models import get_family
@@ -166,6 +167,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         reshape = resume is not None and needs_conversion(saved, layout, resume.path)
         fault = fault_from_env()
         parameters = check_wall_time(config)
+        prepare_ops(config.document, hardware.device_type)  # last: it may build for minutes
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
     return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault, parameters)

@@ -84,10 +84,10 @@ class AccelerateBackend(Backend):
         else:
             full = self.wrapper == "fsdp_full"
             self.model = _fully_shard(model, family, device, reshard=full, offload=settings.offloads)
+        # torch's fused kernel where the resolved config says (optimizer.params.fused: on a GPU, nothing offloaded).
         self.optimizer = build_optimizer(
             document["optimizer"],
             parameter_groups(self.model.parameters(), document["optimizer"], settings.weight_decay_on),
-            fused=device.type == "cuda" and not settings.offloads,
         )
         self.scheduler = build_scheduler(document.get("scheduler"), self.optimizer)
         self._skipped = 0

@@ -44,12 +44,13 @@ def full_ndim(parameter: nn.Parameter) -> int:
 
 
 def build_optimizer(
-    section: dict[str, Any], parameters: list[dict[str, Any]], cpu_adam: bool = False, fused: bool = False
+    section: dict[str, Any], parameters: list[dict[str, Any]], cpu_adam: bool = False, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """`parameters`: the groups of `parameter_groups`. DeepSpeed treats "Adam" as AdamW unless
     adam_w_mode is false; `cpu_adam` picks DeepSpeed's C++ CPU Adam, the one DeepSpeed runs under
-    optimizer offload. `fused`: torch's fused Adam kernel (for parameters on a GPU), one launch per
-    step for all tensors, as DeepSpeed's FusedAdam is there."""
+    optimizer offload. `fused`: torch's fused Adam kernel, one launch per step for all tensors, as
+    DeepSpeed's FusedAdam is; None takes the resolved `optimizer.params.fused` (true where the
+    parameters are on a GPU). Without it torch picks its own kernel (foreach on a GPU)."""
     params = dict(section["params"])
     if section["type"] == "SGD":
         return torch.optim.SGD(parameters, **params)
@@ -57,8 +58,10 @@ def build_optimizer(
     params.pop("adam_w_mode", None)
     params.pop("torch_adam", None)
     params.pop("bias_correction", None)  # true (engine/config/support.py): torch's Adam always corrects
+    configured = params.pop("fused", False)
     if cpu_adam:
         return DeepSpeedCPUAdam(parameters, adamw_mode=decoupled, **params)
+    fused = configured if fused is None else fused
     if fused:
         params["fused"] = True
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(parameters, **params)

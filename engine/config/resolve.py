@@ -15,7 +15,7 @@ from typing import Any
 
 from data.tokens.cache import default_cache_dir
 from engine.config.batch import solve_document_batch
-from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, data_parallel_size, offloads
+from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, auto_torch_adam, data_parallel_size, offloads
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
 from engine.config.validate import schema_at
@@ -243,8 +243,8 @@ def _autocasts_instead(doc: dict) -> bool:
 
 
 def _single_rank_route(doc: dict, world_size: int) -> str:
-    """`trainer.single_rank_fast_path`: on one DeepSpeed rank with nothing offloaded, ZeRO stage 0 and
-    torch_autocast in place of bf16. Returns what it changed, for the start-up log.
+    """`trainer.single_rank_fast_path`: on one DeepSpeed rank with nothing offloaded and not under fp16,
+    ZeRO stage 0 and torch_autocast in place of bf16. Returns what it changed, for the start-up log.
 
     The arithmetic is the same where it can be: Adam on fp32 masters, the same clipping; under bf16
     the products are bf16 either way, and autocast keeps the rest (norms, softmax, residuals) in fp32
@@ -253,7 +253,10 @@ def _single_rank_route(doc: dict, world_size: int) -> str:
     offloaded = offloads(zero)
     # "skip" needs DeepSpeed's ZeRO or mixed-precision optimizer, which drops an update with NaN gradients.
     skip = doc["trainer"]["nonfinite"] == "skip"
-    if not doc["trainer"]["single_rank_fast_path"] or world_size != 1 or offloaded or skip:
+    # fp16 keeps its stage: its loss scaler, masters and checkpoint are the stage's own, and no
+    # autocast stands in for it as torch_autocast stands in for bf16.
+    fp16 = doc["fp16"]["enabled"]
+    if not doc["trainer"]["single_rank_fast_path"] or world_size != 1 or offloaded or skip or fp16:
         return ""
     if effective_backend(doc["trainer"]["backend"]) != "deepspeed":
         return ""
@@ -270,13 +273,20 @@ def _single_rank_route(doc: dict, world_size: int) -> str:
 
 
 def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
+    """The optimizer's "auto"s: torch's Adam wherever DeepSpeed would build FusedAdam (no compiler on
+    the default route, docs/design.md), its fused kernel where it steps parameters on a GPU; then the
+    schedule's, from the optimizer and the run."""
     params = doc["optimizer"]["params"]
     if params.get("torch_adam") == AUTO:
-        params["torch_adam"] = (
-            hardware.device_type == "cpu" and doc["zero_optimization"]["offload_optimizer"]["device"] == "none"
-        )
+        params["torch_adam"] = auto_torch_adam(doc)
     if params.get("torch_adam") is True:
         params.pop("bias_correction", None)  # torch's Adam takes no such argument and always corrects
+    if params.get("fused") == AUTO:
+        params["fused"] = hardware.device_type == "cuda" and _torch_adam_steps_on_device(doc)
+    if params.get("fused") is False:
+        # Left out, not false: torch reads fused=False as "no foreach either" (torch/optim/adam.py), and
+        # DeepSpeed's own Adams, which it would reach under torch_adam false, take no such argument.
+        params.pop("fused")
     scheduler = doc.get("scheduler")
     if not scheduler:
         return
@@ -284,6 +294,16 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
         scheduler["params"]["warmup_max_lr"] = params["lr"]
     if scheduler["params"].get("total_num_steps") == AUTO:
         scheduler["params"]["total_num_steps"] = max(1, doc["trainer"]["max_steps"])
+
+
+def _torch_adam_steps_on_device(doc: dict) -> bool:
+    """Whether torch's Adam runs and steps parameters where the model is: under DeepSpeed, torch_adam
+    without optimizer offload; under the accelerate backend (always torch's Adam), nothing offloaded,
+    since FSDP2's CPUOffloadPolicy moves parameters and optimizer to the host for either key."""
+    zero = doc["zero_optimization"]
+    if effective_backend(doc["trainer"]["backend"]) == "accelerate":
+        return not offloads(zero)
+    return doc["optimizer"]["params"].get("torch_adam") is True and zero["offload_optimizer"]["device"] == "none"
 
 
 def _resolve_zero_buckets(zero: dict, hidden: int | None, data_parallel: int) -> None:

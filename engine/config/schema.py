@@ -146,9 +146,19 @@ _ADAM_PARAMS = {
         True,
     ),
     "torch_adam": _boolean(
-        "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (same numbers). "
-        '"auto": true on CPU, where FusedAdam is a C++ op that takes minutes to build; false on GPU, and '
-        "under optimizer offload, whose optimizer is DeepSpeed's CPU Adam.",
+        "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (the same update); false asks for FusedAdam by "
+        'name. "auto": true, so the optimizer needs no compiler, except under optimizer offload (DeepSpeed\'s C++ CPU '
+        "Adam is the host optimizer) and with legacy_fusion (read by FusedAdam's fp16 wrapper only). A DeepSpeed op "
+        "a run needs is checked and built once per node before the ranks start.",
+        AUTO,
+        auto=True,
+    ),
+    "fused": _boolean(
+        "torch's fused Adam/AdamW kernel (torch.optim.AdamW(fused=True)): one launch per step for all tensors, as "
+        "FusedAdam is, built into torch. Only where torch's Adam runs (torch_adam, or the accelerate backend); false "
+        "leaves torch its default (foreach on a GPU). "
+        '"auto": true where torch\'s Adam steps parameters on a CUDA device (nothing of the optimizer offloaded; '
+        "under the accelerate backend nothing offloaded at all), false elsewhere.",
         AUTO,
         auto=True,
     ),
@@ -917,11 +927,11 @@ _TRAINER = _object(
             False,
         ),
         "single_rank_fast_path": _boolean(
-            "On one rank under DeepSpeed, with nothing offloaded, run what costs least for the same training: "
-            "zero_optimization.stage 0 (ZeRO's partitioning, buckets and flattened copies buy nothing on one rank) "
-            "and torch_autocast in place of bf16 (fp32 weights stepped by fused Adam, products in bf16, instead of "
-            "DeepSpeed's bf16 wrapper and its per-tensor master copies). The start-up log names what it changed; "
-            "resolved_config.json holds what ran. false: run the stage and precision as written.",
+            "On one rank under DeepSpeed, with nothing offloaded and fp16 off, run what costs least for the same "
+            "training: zero_optimization.stage 0 (ZeRO's partitioning, buckets and flattened copies buy nothing on one "
+            "rank) and torch_autocast in place of bf16 (fp32 weights stepped by fused Adam, products in bf16, "
+            "instead of DeepSpeed's bf16 wrapper and its per-tensor master copies). The start-up log names what it "
+            "changed; resolved_config.json holds what ran. false: run the stage and precision as written.",
             True,
         ),
         "weight_decay_on": _enum(
