@@ -1,16 +1,69 @@
 #!/usr/bin/env bash
 # Installs everything the engine and its tests need into the active Python, and nothing twice.
 #
+#   scripts/setup.sh [--wheelhouse DIR]
+#
 # torch is installed only when no suitable torch is present, pinned to 2.13.0 (a CPU wheel on
 # machines that provide one locally): an unpinned torch would pull several GB of CUDA packages.
 # deepspeed builds against that torch without build isolation, for the same reason.
 # torchvision is never installed here: the registry's wheel is CUDA-only, fails to import next to
 # a CPU torch and breaks transformers' vision imports. ResNet falls back to transformers' model.
+#
+# --wheelhouse DIR installs from DIR alone (pip's --no-index), for nodes without network: DIR is
+# built on a machine with the registry by scripts/wheelhouse.py. A torch already present is kept.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-if ! "$PYTHON" - <<'PY'
+WHEELHOUSE=""
+while (($#)); do
+  case "$1" in
+    --wheelhouse) WHEELHOUSE=${2:?"--wheelhouse needs a directory"}; shift 2 ;;
+    --wheelhouse=*) WHEELHOUSE=${1#*=}; shift ;;
+    *) echo "usage: scripts/setup.sh [--wheelhouse DIR]" >&2; exit 2 ;;
+  esac
+done
+if [[ -n $WHEELHOUSE ]]; then
+  if [[ ! -d $WHEELHOUSE ]]; then
+    echo "setup: the wheelhouse $WHEELHOUSE is not a directory" >&2
+    exit 2
+  fi
+  # Absolute, as the user's shell read it, before the cd below.
+  WHEELHOUSE=$(cd "$WHEELHOUSE" && pwd)
+fi
+cd "$(dirname "$0")/.."
+
+# pip install "$@"; from the wheelhouse alone when there is one, where a failure ends setup with a
+# line saying what to rebuild, after pip's own message (which names a missing distribution).
+pip_install() {
+  if [[ -z $WHEELHOUSE ]]; then
+    "$PYTHON" -m pip install --quiet "$@"
+    return
+  fi
+  local log status=0
+  log=$(mktemp)
+  "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" "$@" 2>"$log" || status=$?
+  cat "$log" >&2
+  local missing
+  missing=$(sed -n 's/.*No matching distribution found for \(.*\)$/\1/p' "$log" | head -n 1)
+  rm -f "$log"
+  if ((status == 0)); then
+    return
+  fi
+  if [[ -z $missing ]]; then
+    echo "setup: pip could not install $* from the wheelhouse $WHEELHOUSE (its message is above)" >&2
+    exit 1
+  fi
+  local version rebuild
+  version=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  rebuild="python3 scripts/wheelhouse.py $WHEELHOUSE --python-version $version"
+  if has_suitable_torch; then rebuild+=" --no-torch"; fi
+  echo "setup: $missing is not in the wheelhouse $WHEELHOUSE;" \
+    "rebuild the wheelhouse on a machine with the package registry: $rebuild" >&2
+  exit 1
+}
+
+has_suitable_torch() {
+  "$PYTHON" - <<'PY'
 import sys
 try:
     import torch
@@ -19,15 +72,23 @@ except ImportError:
 major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 1) else 1)
 PY
-then
+}
+
+if ! has_suitable_torch; then
   echo "setup: installing torch 2.13.0"
-  "$PYTHON" -m pip install --quiet "torch==2.13.0"
+  pip_install "torch==2.13.0"
+fi
+
+if [[ -n $WHEELHOUSE ]]; then
+  # The editable install below runs without build isolation: its build backend must be here, and
+  # a fresh Python 3.12 environment has no setuptools.
+  pip_install "setuptools>=64" wheel
 fi
 
 if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
   echo "setup: installing deepspeed against the present torch"
-  "$PYTHON" -m pip install --quiet --no-build-isolation "deepspeed>=0.19,<0.20"
+  pip_install --no-build-isolation "deepspeed>=0.19,<0.20"
 fi
 
-"$PYTHON" -m pip install --quiet --no-build-isolation -e ".[dev]"
+pip_install --no-build-isolation -e ".[dev]"
 "$PYTHON" -c "import torch, deepspeed, transformers, datasets, accelerate; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, datasets {datasets.__version__}, accelerate {accelerate.__version__}')"
