@@ -64,6 +64,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Check:
+    key: str  # what `--checks` names it by
     name: str
     estimate_s: float  # on one H100, start-up included
     run: Callable[[Path], Outcome]
@@ -137,10 +138,10 @@ def offload(out: Path) -> Outcome:
 
 _SPEED = SpeedRows()
 CHECKS = (
-    Check("GPU tests (every precision with a resume, background save, offload)", 150, gpu_tests),
-    Check("benchmark 5: GPT-2 124M, eager and compiled", 130, _SPEED.of(gpu.SUBJECTS[0])),
-    Check("benchmark 5: Llama 1B at sequence 4096, eager and compiled", 170, _SPEED.of(gpu.SUBJECTS[1])),
-    Check("ZeRO-Offload: the largest GPT the planner fits", 140, offload),
+    Check("tests", "GPU tests (every precision with a resume, background save, offload)", 150, gpu_tests),
+    Check("gpt2", "benchmark 5: GPT-2 124M, eager and compiled", 130, _SPEED.of(gpu.SUBJECTS[0])),
+    Check("llama", "benchmark 5: Llama 1B at sequence 4096, eager and compiled", 170, _SPEED.of(gpu.SUBJECTS[1])),
+    Check("offload", "ZeRO-Offload: the largest GPT the planner fits", 140, offload),
 )
 
 
@@ -265,14 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds the checks may take (default 600)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check", help="where the summary goes")
+    keys = [check.key for check in CHECKS]
+    parser.add_argument(
+        "--checks", nargs="+", choices=keys, default=keys, help="which checks, in this order (default: all, as listed)"
+    )
     args = parser.parse_args(argv)
+    checks = tuple(next(check for check in CHECKS if check.key == key) for key in args.checks)
     if not torch.cuda.is_available():
         args.out.mkdir(parents=True, exist_ok=True)
         outcomes = {"CUDA GPU": Outcome("not run", detail="no CUDA GPU is present on this machine: nothing to check")}
         write_summary(args.out, node_facts(), outcomes, args.budget)
         print(f"gpu-check: no CUDA GPU is present on this machine; nothing to check (summary in {args.out})")
         return 0
-    return run_checks(args.out, args.budget)
+    return run_checks(args.out, args.budget, checks)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from engine.backends import fp16_loss_scale
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
+from engine.backends.fp16_loss_scale import Fp16WithoutZero, fp16_without_zero
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.backends.zero_checks import defer_norm_checks
 from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter
@@ -88,6 +88,7 @@ class DeepSpeedEngineBackend(Backend):
     grid: PipelineParallelGrid | None
     _names: dict[int, str]  # the unsplit model's name of every tensor, by identity
     _writer: BackgroundWriter | None = None  # trainer.async_save's
+    _fp16: Fp16WithoutZero | None = None  # ZeRO-0 fp16's repairs (engine/backends/fp16_loss_scale.py)
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
@@ -230,7 +231,9 @@ class DeepSpeedEngineBackend(Backend):
             return None if self._norm is None else float(self._norm)
         # Recorded by the ZeRO, bf16 and fp16 optimizers at each step, before clipping.
         norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        if norm is None:
+            return None
+        return self._fp16.unscaled_norm(float(norm)) if self._fp16 else float(norm)
 
     def nonfinite_gradients(self) -> torch.Tensor | None:
         # fp32 ZeRO-0's clipping norm (`_clip_fp32_gradients`), or the norm the ZeRO-1/2 optimizer
@@ -315,7 +318,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self._accumulation = self.engine.gradient_accumulation_steps()
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
-        self._scales_loss = fp16_loss_scale.needs_scaling(self.engine.optimizer)
+        self._fp16 = fp16_without_zero(self.engine.optimizer)
         if self._zero_stage == 0 and self.engine.dp_world_size == 1:
             # Without ZeRO, DeepSpeed averages the gradients over the data-parallel group even when
             # that group is this rank alone: every step it flattens every gradient, all-reduces the
@@ -346,11 +349,13 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             with self.phase("forward"):
                 loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch))
             with self.phase("backward"):
-                self.engine.backward(fp16_loss_scale.scaled(self.engine.optimizer, loss) if self._scales_loss else loss)
+                self.engine.backward(self._fp16.scaled(loss) if self._fp16 else loss)
             if micro_step == self._accumulation - 1:
                 self._measure_norm()
             with self.phase("step"):
                 self.engine.step()
+                if self._fp16:
+                    self._fp16.after_step()
             loss_sum += loss.detach().float()
         return loss_sum / self._accumulation
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ def test_fp16_overflows_are_skipped_by_the_loss_scaler_and_reported(stage: int, 
 @pytest.mark.parametrize("stage", [0, 2], ids=["zero0", "zero2"])
 def test_a_quiet_step_never_reads_the_gpu(stage: int, tmp_path: Path):
     """Benchmark 8's count where it matters: on a GPU, with bf16 "auto", the side-stream prefetch and
-    DeepSpeed's fused Adam, a step that neither logs, evaluates nor saves reads nothing back."""
+    torch's fused AdamW (the default optimizer), a step that neither logs, evaluates nor saves reads
+    nothing back."""
     out = tmp_path / "counts-{rank}.json"
     overrides = [*hostcost.COMMON, "bf16.enabled=auto", f"zero_optimization.stage={stage}"]
     overrides += ["optimizer.params.torch_adam=auto", f"trainer.output_dir={tmp_path / 'run'}"]
@@ -98,7 +100,18 @@ PRECISIONS = {
     "fp32": {},
     "bf16": {"bf16.enabled": True, "zero_optimization.stage": 2},
     "bf16-zero2": {"bf16.enabled": True, "zero_optimization.stage": 2, "trainer.single_rank_fast_path": False},
-    "bf16-zero0-fused-adam": {"bf16.enabled": True, "optimizer.params.torch_adam": False},
+    # DeepSpeed's FusedAdam, built by the pre-flight under the image's arch list: FP16_Optimizer's
+    # flat masters at ZeRO-0, and fp16's loss scale that the engine applies there.
+    "bf16-zero0-fused-adam": {
+        "bf16.enabled": True,
+        "optimizer.params.torch_adam": False,
+        "trainer.single_rank_fast_path": False,
+    },
+    "fp16-zero0-fused-adam": {
+        "fp16.enabled": True,
+        "zero_optimization.stage": 0,
+        "optimizer.params.torch_adam": False,
+    },
     "fp16-zero0": {"fp16.enabled": True, "zero_optimization.stage": 0},
     "fp16-zero2": {"fp16.enabled": True, "zero_optimization.stage": 2},
     "torch_autocast": {"torch_autocast.enabled": True},
@@ -132,8 +145,9 @@ def test_every_precision_trains_saves_resumes_and_exports_on_one_gpu(precision: 
     resumed = launch("configs/tiny_gpt.json", {**run, "trainer.resume": str(checkpoint)}, tmp_path / "resumed", nproc=1)
     assert all(torch.isfinite(torch.tensor(straight.losses)))
     assert straight.losses[-1] < straight.losses[0]
-    norms = [record["grad_norm"] for record in straight.records]
-    assert all(1e-3 < norm < 1e3 for norm in norms), norms  # gradients unscaled exactly once
+    norms = [record.get("grad_norm") for record in straight.records]
+    counted = [norm for norm in norms if norm is not None and math.isfinite(norm) and norm > 0]
+    assert len(counted) >= 6 and all(1e-3 < norm < 1e3 for norm in counted), norms  # unscaled exactly once
     assert [record["step"] for record in resumed.records] == [5, 6, 7, 8]
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(straight.losses[4:]), **RESUME_TOLERANCE)
     exported, expected = resumed.exported_state_dict(), straight.exported_state_dict()

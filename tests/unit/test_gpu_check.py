@@ -47,10 +47,10 @@ def test_a_failed_or_overrunning_check_does_not_stop_the_others(tmp_path: Path):
         return Outcome("passed")
 
     checks = (
-        Check("crashes", 0.1, crashes),
-        Check("slow", 0.1, slow),
-        Check("too long for what is left", 10, passes),
-        Check("passes", 0.1, passes),
+        Check("a", "crashes", 0.1, crashes),
+        Check("b", "slow", 0.1, slow),
+        Check("c", "too long for what is left", 10, passes),
+        Check("d", "passes", 0.1, passes),
     )
     assert gpu_check.run_checks(tmp_path, budget=1.0, checks=checks) == 1
     verdicts = {
