@@ -11,8 +11,11 @@ checkpoint save of step 3, once its own files are written and before the checkpo
          as a bad batch or a diverging run would (trainer.nonfinite decides what follows; under
          pipeline parallelism only last-stage ranks compute a loss; no at=save).
   signal send `sig=NAME` (SIGTERM by default) to itself, or with `to=launcher` to the launcher that
-         started it, as a scheduler preempting the job would; `times=2` sends a second one 3 s later
-         and waits 3 s more where it is (the step or the save it interrupts).
+         started it, or with `to=top` to the command the user typed (the `deepspeed` runner above
+         that launcher, else the launcher), as a scheduler preempting the job would; sent up, it
+         waits (at most 10 s) for the signal to come back down to the rank, so the run stops at that
+         step whichever way it travels; `times=2` sends a second one 3 s later and waits 3 s more
+         where it is (the step or the save it interrupts).
 It reads the environment because a failure drill must not need a different config than the run
 it rehearses, and every launcher passes the environment on to its ranks.
 """
@@ -28,13 +31,19 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends.base import StepHooks
-from engine.launch.detect import LAUNCHER_PID_ENV
+from engine.failures.preemption import signal_received
+from engine.launch.detect import LAUNCHER_PID_ENV, TOP_PID_ENV
 
 ENV_VAR = "ENGINE_FAULT"
 ACTIONS = ("kill", "hang", "raise", "nan", "signal")
 POINTS = ("step", "save", "eval", "write", "export")
 # Longer than the window in which copies of one signal count once (engine/failures/preemption.py).
 _SECOND_SIGNAL_AFTER_S = 3.0
+# The most a signal sent up waits to come back: the supervisors notice a `deepspeed` runner gone
+# within their 1 s check (engine/failures/supervise.py).
+_COMES_BACK_S = 10.0
+# Where `to=` sends the signal: the variable naming that process, None for the rank itself.
+_TARGETS = {"self": None, "launcher": LAUNCHER_PID_ENV, "top": TOP_PID_ENV}
 
 
 class InjectedFault(RuntimeError):
@@ -48,7 +57,7 @@ class Fault:
     step: int
     at: str = "step"
     sig: str = "SIGTERM"  # the signal action's
-    to: str = "self"  # "self" or "launcher"
+    to: str = "self"  # "self", "launcher" or "top"
     times: int = 1
 
 
@@ -69,8 +78,8 @@ def parse_fault(text: str) -> Fault:
         raise ValueError(f"{ENV_VAR}: at={values['at']} is not one of {', '.join(POINTS)}")
     if action == "nan" and values.get("at", "step") != "step":
         raise ValueError(f"{ENV_VAR}: nan acts on the loss of a step; drop at={values['at']}")
-    if values.get("to", "self") not in ("self", "launcher"):
-        raise ValueError(f"{ENV_VAR}: to={values['to']} is not self or launcher")
+    if values.get("to", "self") not in _TARGETS:
+        raise ValueError(f"{ENV_VAR}: to={values['to']} is not self, launcher or top")
     try:
         return Fault(
             action,
@@ -106,14 +115,20 @@ def inject(fault: Fault | None, rank: int, point: str, step: int) -> None:
 
 
 def send_signals(fault: Fault) -> None:
-    """The `signal` action: `fault.times` copies of `fault.sig` to this rank or to its launcher."""
-    pid = int(os.environ.get(LAUNCHER_PID_ENV, os.getppid())) if fault.to == "launcher" else os.getpid()
+    """The `signal` action: `fault.times` copies of `fault.sig` to this rank, its launcher or the
+    command the user typed (a rank without a supervisor: its parent)."""
+    variable = _TARGETS[fault.to]
+    pid = os.getpid() if variable is None else int(os.environ.get(variable, os.getppid()))
     for copy in range(fault.times):
         if copy:
             time.sleep(_SECOND_SIGNAL_AFTER_S)
         os.kill(pid, signal.Signals[fault.sig])
     if fault.times > 1:
         time.sleep(_SECOND_SIGNAL_AFTER_S)  # still in the step or save when the last signal lands
+    elif variable is not None:
+        deadline = time.monotonic() + _COMES_BACK_S
+        while not signal_received() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def loss_hook(fault: Fault | None, rank: int, step: int) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -14,6 +14,9 @@ from pathlib import Path
 # Set by each rank's supervisor to its parent, the launcher, for checks that read the launcher's
 # command line (engine/failures/supervise.py).
 LAUNCHER_PID_ENV = "ENGINE_LAUNCHER_PID"
+# Set by each rank's supervisor to the command the user typed: the `deepspeed` runner above DeepSpeed's
+# per-node launcher, else the launcher itself (engine/failures/supervise.py).
+TOP_PID_ENV = "ENGINE_TOP_PID"
 # Set in the environment of each rank that runs under the supervisor (the supervisor's child).
 SUPERVISED_ENV = "ENGINE_SUPERVISED"
 BACKENDS = ("deepspeed", "accelerate")
