@@ -11,7 +11,7 @@ setup(
     name="dsengine",
     version="0.1.0",
     description="One JSON config trains GPT and ResNet models under DeepSpeed or accelerate.",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # transformers>=5.23 requires 3.11
     packages=find_packages(include=["engine", "engine.*", "models", "models.*", "data", "data.*"]),
     package_data={"engine.config": ["*.json"], "data": ["corpus/*.txt"]},
     install_requires=[

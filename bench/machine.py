@@ -25,7 +25,7 @@ def machine_facts(threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": measured_commit(),
     }
 
