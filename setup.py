@@ -21,6 +21,8 @@ setup(
         "datasets>=3.0",
         "accelerate>=1.0",
         "jsonschema>=4.18",
+        # Configs are read as DeepSpeed reads them; engine/config/load.py uses its decoder's scanner.
+        "hjson>=3.1,<4",
         "safetensors>=0.4",
         "tqdm>=4.60",
         "numpy>=1.24",

@@ -1,13 +1,16 @@
-"""From a JSON file (plus `--set` overrides) to an EngineConfig, or a ConfigError listing every
+"""From a config file (plus `--set` overrides) to an EngineConfig, or a ConfigError listing every
 problem. Nothing here starts a process group or builds a model."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+import hjson
+from hjson.decoder import getNext, make_scanner, scantfnns
 
 from engine.config.errors import ConfigError, ConfigIssue, json_path
 from engine.config.overrides import apply_overrides
@@ -19,8 +22,8 @@ from engine.launch.hardware import Hardware
 
 
 class _Object(dict):
-    """A JSON object that remembers the keys its text gave more than once: Python's reader, like
-    DeepSpeed's, keeps the last and drops the first without a word."""
+    """An object that remembers the keys its text gave more than once: hjson, like Python's JSON
+    reader, keeps the last and drops the first without a word, where DeepSpeed's hook refuses them."""
 
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
@@ -34,19 +37,43 @@ class _Object(dict):
 def _repeated_keys(value: Any, path: list) -> Iterator[ConfigIssue]:
     if isinstance(value, _Object):
         for key in value.repeated:
-            problem = "given twice in one object; JSON keeps only the last, so merge them"
+            problem = "given twice in one object, which DeepSpeed refuses; merge them"
             yield ConfigIssue(json_path([*path, key]), problem)
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         yield from _repeated_keys(item, [*path, key])
 
 
+def _unquoted_value(context: hjson.HjsonDecoder, text: str, index: int) -> tuple[Any, int]:
+    """hjson's reading of an unquoted value, with the number types JSON's reader gives: hjson makes a
+    whole number written with a fraction or exponent an int (`1.0`, `5e8`), and the schema and the
+    resolved config should not tell a commented config from the same one in plain JSON."""
+    value, end = scantfnns(context, text, index)
+    if type(value) in (int, Decimal):
+        written = text[getNext(text, index)[1] : end]
+        if any(mark in written for mark in ".eE"):
+            value = float(written)
+    return value, end
+
+
+class _DeepSpeedReader(hjson.HjsonDecoder):
+    """hjson, as DeepSpeed reads a config file (`deepspeed/runtime/config.py`), with JSON's number
+    types. Floats are parsed as Decimal first: hjson compares each float with its int, which raises
+    OverflowError on one beyond a float's range (`1e400`, JSON's inf)."""
+
+    def __init__(self, object_pairs_hook: type[dict]) -> None:
+        super().__init__(parse_float=Decimal, object_pairs_hook=object_pairs_hook)
+        self.parse_tfnns = _unquoted_value
+        self.scan_once, self.scan_object_once = make_scanner(self)
+
+
 def read_document(path: Path) -> dict:
-    """The JSON object in `path`; ConfigError naming the file and the line on failure, or every
-    key given twice."""
+    """The object in `path`, read as DeepSpeed reads a config (hjson: JSON plus comments, trailing
+    commas and unquoted keys) and refusing, as DeepSpeed does, a key given twice; ConfigError naming
+    the file and the line on failure, or every key given twice."""
     try:
         text = path.read_text(encoding="utf-8")
-        document = json.loads(text, object_pairs_hook=_Object)
+        document = _DeepSpeedReader(_Object).decode(text)
     except FileNotFoundError:
         raise ConfigError([ConfigIssue(str(path), "file not found")]) from None
     except IsADirectoryError:
@@ -54,16 +81,17 @@ def read_document(path: Path) -> dict:
     except UnicodeDecodeError as error:
         problem = f"not UTF-8 text (byte {error.start}); JSON must be UTF-8"
         raise ConfigError([ConfigIssue(str(path), problem)]) from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(
-            [ConfigIssue(str(path), f"invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}")]
-        ) from None
+    except hjson.HjsonDecodeError as error:
+        # hjson leaves "%r" in "Invalid control character %r at" to name the character one past the culprit.
+        message = error.msg.replace(" %r", "")
+        problem = f"invalid JSON (hjson) at line {error.lineno}, column {error.colno}: {message}"
+        raise ConfigError([ConfigIssue(str(path), problem)]) from None
     if not isinstance(document, dict):
         raise ConfigError([ConfigIssue(str(path), "the top level must be a JSON object")])
     repeated = list(_repeated_keys(document, []))
     if repeated:
         raise ConfigError(repeated, str(path))
-    return json.loads(text)  # plain dicts, now that no key is lost
+    return _DeepSpeedReader(dict).decode(text)  # plain dicts, now that no key is lost
 
 
 def check_document(document: dict, world_size: int, hardware: Hardware | None) -> dict:

@@ -1,6 +1,7 @@
 """The config contract at the command line: `python -m engine validate` and a rank started by
 engine/main.py refuse a bad config with its JSON path and exit 2 before anything starts, and accept
-a shipped one. The in-process checks are tests/unit/test_config.py."""
+a shipped one; a DeepSpeed config with comments trains as DeepSpeed would read it. The in-process
+checks are tests/unit/test_config.py and tests/unit/test_config_documents.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.config import with_changes
-from tests.support.launch import ROOT
+from tests.support.compare import CLIPPED_WEIGHT_TOLERANCE, LOSS_TOLERANCE, assert_weights_match, max_loss_difference
+from tests.support.config import COMMENTED_ZERO2_OFFLOAD, with_changes
+from tests.support.launch import ROOT, launch
+from tests.support.reference import reference_run
 
 
 @pytest.mark.parametrize("world_size", ["0", "-2", "two"])
@@ -72,3 +75,17 @@ def test_every_rank_prints_a_config_error(tmp_path: Path):
     assert result.returncode == 2
     assert "trainer.max_steps" in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.launch
+def test_a_commented_deepspeed_config_trains_as_one_process(tmp_path: Path):
+    """DeepSpeed's ZeRO-2 offload config with its `#` and `//` comments and trailing comma, as its
+    tutorial writes it, trains on 2 ranks under the deepspeed launcher as one process does."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(COMMENTED_ZERO2_OFFLOAD)
+    overrides = {"trainer.max_steps": 3, "trainer.log_interval": 1, "trainer.eval_batches": 1}
+    run = launch(str(config), overrides, tmp_path / "run", nproc=2)
+    reference = reference_run(str(config), overrides, world_size=2)
+    assert len(run.losses) == 3
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_weights_match(run.exported_state_dict(), reference.model, CLIPPED_WEIGHT_TOLERANCE)

@@ -505,8 +505,8 @@ def test_bad_files_are_named(tmp_path: Path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "missing.json", world_size=1, hardware=CPU)
     broken = tmp_path / "broken.json"
-    broken.write_text('{"model": {"family": "gpt",}}')
-    with pytest.raises(ConfigError, match=r"broken.json: invalid JSON at line 1"):
+    broken.write_text('{"model": {"family": "gpt"}')
+    with pytest.raises(ConfigError, match=r"broken.json: invalid JSON \(hjson\) at line 1"):
         load_config(broken, world_size=1, hardware=CPU)
     with pytest.raises(ConfigError, match="is a directory, not a JSON config file"):
         load_config(tmp_path, world_size=1, hardware=CPU)
@@ -528,15 +528,15 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path):
 
 
 def test_a_key_given_twice_is_refused_with_its_path(tmp_path: Path):
-    """Python's JSON reader (and DeepSpeed's) keeps the last of two equal keys: a second "trainer"
-    block would silently drop the first's output_dir and everything else in it."""
+    """hjson and Python's JSON reader keep the last of two equal keys, where DeepSpeed refuses them:
+    a second "trainer" block would silently drop the first's output_dir and everything else in it."""
     config = tmp_path / "twice.json"
     config.write_text('{"trainer": {"max_steps": 3}, "optimizer": {"params": {"lr": 1, "lr": 2}}, "trainer": {}}')
     with pytest.raises(ConfigError) as caught:
         load_config(config, world_size=1, hardware=CPU)
     assert [str(issue) for issue in caught.value.issues] == [
-        "optimizer.params.lr: given twice in one object; JSON keeps only the last, so merge them",
-        "trainer: given twice in one object; JSON keeps only the last, so merge them",
+        "optimizer.params.lr: given twice in one object, which DeepSpeed refuses; merge them",
+        "trainer: given twice in one object, which DeepSpeed refuses; merge them",
     ]
 
 
