@@ -33,6 +33,7 @@ setup(
         # release served for Python 3.11, and its C++ helpers ship prebuilt.
         "megatron-core>=0.16.1,<0.17",
     ],
-    extras_require={"dev": ["pytest>=8.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16"]},
+    # pytest-xdist: `make gpu-check` runs the GPU tests eight at a time (bench/gpu_check.py).
+    extras_require={"dev": ["pytest>=8.0", "pytest-xdist>=3.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16"]},
     entry_points={"console_scripts": ["dsengine=engine.cli:main"]},
 )

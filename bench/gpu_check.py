@@ -48,7 +48,7 @@ from bench.trials import ROOT, Pair
 
 BUDGET_S = 600.0
 SPEED_STEPS = 40  # four 10-step windows: the first (start-up, compilation) is dropped
-GPU_TESTS = ROOT / "tests" / "launched" / "test_gpu.py"
+TESTS = ROOT / "tests"
 
 
 @dataclass
@@ -70,17 +70,20 @@ class Check:
     key: str  # what `--checks` names it by
     name: str
     estimate_s: float  # on one H100, start-up included
-    run: Callable[[Path], Outcome]
+    run: Callable[[Path, float], Outcome]  # (where to write, seconds left of the budget)
 
 
-def gpu_tests(out: Path) -> Outcome:
-    """The GPU tests, run in parallel where pytest-xdist is installed (each launches one rank of a tiny
-    model: the GPU has room for several)."""
+def gpu_tests(out: Path, seconds_left: float) -> Outcome:
+    """Every test marked `gpu`, eight at a time with pytest-xdist (the dev extra; each launches one rank
+    of a tiny model, and the GPU has room for several), stopped where the budget ends."""
     report = out / "gpu-tests.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(GPU_TESTS), f"--junitxml={report}"]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(TESTS), f"--junitxml={report}"]
     if _importable("xdist"):
         command += ["-n", str(min(8, max(1, (os.cpu_count() or 2) // 2)))]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=seconds_left)
+    except subprocess.TimeoutExpired:
+        return Outcome("failed", detail=f"stopped where the budget ended, after {seconds_left:.0f} s")
     (out / "gpu-tests.log").write_text(result.stdout + result.stderr)
     if not report.exists():
         return Outcome("failed", detail=(result.stdout + result.stderr)[-2000:])
@@ -110,8 +113,8 @@ class SpeedRows:
         self.measured: dict[str, dict[str, list[Pair]]] = {}
         self.failures: dict[str, str] = {}
 
-    def of(self, subject: gpu.Subject) -> Callable[[Path], Outcome]:
-        def run(out: Path) -> Outcome:
+    def of(self, subject: gpu.Subject) -> Callable[[Path, float], Outcome]:
+        def run(out: Path, seconds_left: float) -> Outcome:
             measured, failures = gpu.measure(subject, list(self.VARIANTS), SPEED_STEPS, 1, threads=_threads())
             self.failures.update(failures)
             if not measured:
@@ -128,7 +131,7 @@ class SpeedRows:
         return run
 
 
-def offload(out: Path) -> Outcome:
+def offload(out: Path, seconds_left: float) -> Outcome:
     settings = Settings(rounds=1, steps=3, log_interval=1, quality_steps=1, quality_rounds=1, threads=_threads())
     try:
         result = gpu.offload(settings)
@@ -221,18 +224,25 @@ def _figure(value: Any) -> str:
 
 
 def write_summary(
-    out: Path, facts: dict[str, Any], outcomes: dict[str, Outcome], budget: float, checks: tuple[Check, ...] = ()
+    out: Path,
+    facts: dict[str, Any],
+    outcomes: dict[str, Outcome],
+    budget: float,
+    checks: tuple[Check, ...] = (),
+    keep: Path | None = None,
 ) -> None:
+    """summary.md and summary.json in `out`; on a GPU also `keep`, the report's GPU section."""
     markdown = summary_markdown(facts, outcomes, budget, {check.name: check.estimate_s for check in checks})
     (out / "summary.md").write_text(markdown)
     summary = {"facts": facts, "budget_s": budget, "checks": {name: o.to_json() for name, o in outcomes.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if facts.get("gpu"):
-        GPU_CHECK.write_text(json.dumps({**summary, "markdown": markdown}, indent=2) + "\n")
+    if keep is not None and facts.get("gpu"):
+        keep.write_text(json.dumps({**summary, "markdown": markdown}, indent=2) + "\n")
 
 
-def run_checks(out: Path, budget: float, checks: tuple[Check, ...] = CHECKS) -> int:
-    """Run `checks` in order within `budget` seconds, the summary written after each; 1 if any failed."""
+def run_checks(out: Path, budget: float, checks: tuple[Check, ...] = CHECKS, keep: Path | None = GPU_CHECK) -> int:
+    """Run `checks` in order within `budget` seconds, the summary written after each (and kept as the
+    report's GPU section in `keep`); 1 if any failed or did not fit the budget."""
     out.mkdir(parents=True, exist_ok=True)
     facts = node_facts()
     started = time.monotonic()
@@ -247,7 +257,7 @@ def run_checks(out: Path, budget: float, checks: tuple[Check, ...] = CHECKS) -> 
             print(f"gpu-check: {check.name} (about {check.estimate_s:.0f} s)", flush=True)
             began = time.monotonic()
             try:
-                outcome = check.run(out)
+                outcome = check.run(out, left)
             except Exception as error:  # one check's crash must not cost the others' figures
                 outcome = Outcome("failed", detail=f"{type(error).__name__}: {error}"[-2000:])
             outcome.seconds = time.monotonic() - began
@@ -256,13 +266,13 @@ def run_checks(out: Path, budget: float, checks: tuple[Check, ...] = CHECKS) -> 
             if outcome.result is not None:
                 measured[outcome.result.name] = outcome.result
                 store_results({**results, **measured}, history)
-        write_summary(out, facts, outcomes, budget, checks)
+        write_summary(out, facts, outcomes, budget, checks, keep)
     if measured:
         history += [headline(result) for result in measured.values()]
         store_results({**results, **measured}, history)
         write_report(list({**results, **measured}.values()), history)
     print((out / "summary.md").read_text())
-    return 1 if any(outcome.verdict == "failed" for outcome in outcomes.values()) else 0
+    return 1 if any(outcome.verdict in ("failed", "not run") for outcome in outcomes.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ A step that reads the device makes the host wait for the GPU, and a GPU whose ho
 between kernels: on an H200 that was the engine's fixed 18-20 ms a step over a compiled loop
 (docs/benchmarks.md, gpu). The reads, the operations and the graph breaks happen on the CPU too, so
 they are counted here (bench/host_syncs.py) on GPT-2 124M's 148 tensors at width 64, with
-`torch_adam` false so that the optimizer wrapper counted is the one a GPU runs. Layouts of more than
+`torch_adam` false: DeepSpeed's FusedAdam and its wrappers, what a GPU ran when these figures were
+measured (torch's fused AdamW has been the default since; re-measuring on it is still to do). Layouts of more than
 one data-parallel rank run on 2 ranks, so that DeepSpeed's ZeRO wrappers and DDP/FSDP2 are the ones
 counted; the loop runs in the one-rank layouts. Host time per step is the median of the uncounted
 quiet steps (on a CPU, compute is host time too).

@@ -68,7 +68,8 @@ def write_report(results: list[Result], history: list[dict[str, Any]]) -> None:
     if panels:
         lines += [f"![benchmark plots]({PLOT.name})", ""]
     if GPU_CHECK.exists():
-        lines += ["## GPU node check", "", json.loads(GPU_CHECK.read_text())["markdown"]]
+        check = json.loads(GPU_CHECK.read_text())
+        lines += ["## GPU node check", "", check["markdown"], *([check["note"], ""] if check.get("note") else [])]
     for result in results:
         lines += _section(result)
     lines += _history(history)

@@ -210,10 +210,11 @@ def _causes(name: str, builder: Any, capabilities: list[tuple[int, int]]) -> lis
     if shutil.which("ninja") is None:
         causes.append(("ninja, which torch builds with, is not on PATH", "pip install ninja"))
     if _is_cuda_build(builder):
-        if not cached:
-            from torch.utils.cpp_extension import CUDA_HOME
+        from torch.utils.cpp_extension import CUDA_HOME
 
-            causes.extend(toolkit_causes(CUDA_HOME))
+        # torch rewrites a cached build's ninja file in every new process, which joins CUDA_HOME's
+        # paths (cpp_extension._join_cuda_home): a cached op still needs the toolkit's folder, not nvcc.
+        causes.extend(toolkit_causes(CUDA_HOME) if not cached else _cuda_home_causes(CUDA_HOME))
         try:
             if _arch_list(builder, capabilities) is None:
                 causes.append(
@@ -236,6 +237,13 @@ def toolkit_causes(cuda_home: str | None) -> list[tuple[str, str]]:
     if not os.access(Path(cuda_home) / "bin" / "nvcc", os.X_OK):
         return [(f"no CUDA compiler: CUDA_HOME {cuda_home} has no bin/nvcc (a runtime-only install?)", fix)]
     return []
+
+
+def _cuda_home_causes(cuda_home: str | None) -> list[tuple[str, str]]:
+    if cuda_home is not None:
+        return []
+    fix = f"install the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it"
+    return [("torch finds no CUDA_HOME, which loading a cached CUDA op reads", fix)]
 
 
 def _arch_list(builder: Any, capabilities: list[tuple[int, int]]) -> str | None:

@@ -36,13 +36,13 @@ def test_the_planned_checks_fit_ten_minutes():
 
 
 def test_a_failed_or_overrunning_check_does_not_stop_the_others(tmp_path: Path):
-    def passes(out: Path) -> Outcome:
+    def passes(out: Path, seconds_left: float) -> Outcome:
         return Outcome("passed", {"tokens/s": 1234.5})
 
-    def crashes(out: Path) -> Outcome:
+    def crashes(out: Path, seconds_left: float) -> Outcome:
         raise RuntimeError("a kernel died")
 
-    def slow(out: Path) -> Outcome:
+    def slow(out: Path, seconds_left: float) -> Outcome:
         time.sleep(0.3)
         return Outcome("passed")
 
@@ -52,7 +52,7 @@ def test_a_failed_or_overrunning_check_does_not_stop_the_others(tmp_path: Path):
         Check("c", "too long for what is left", 10, passes),
         Check("d", "passes", 0.1, passes),
     )
-    assert gpu_check.run_checks(tmp_path, budget=1.0, checks=checks) == 1
+    assert gpu_check.run_checks(tmp_path, budget=1.0, checks=checks, keep=None) == 1
     verdicts = {
         name: check["verdict"] for name, check in json.loads((tmp_path / "summary.json").read_text())["checks"].items()
     }
