@@ -48,19 +48,20 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """`parameters`: the groups of `parameter_groups`. DeepSpeed treats "Adam" as AdamW unless
     adam_w_mode is false; `cpu_adam` picks DeepSpeed's C++ CPU Adam, the one DeepSpeed runs under
-    optimizer offload. `fused`: torch's fused Adam kernel, one launch per step for all tensors, as
-    DeepSpeed's FusedAdam is; None takes the resolved `optimizer.params.fused` (true where the
-    parameters are on a GPU). Without it torch picks its own kernel (foreach on a GPU)."""
+    optimizer offload, and the only one here that reads `bias_correction` (the config refuses false
+    where torch's Adam would step). `fused`: torch's fused Adam kernel, one launch per step for all
+    tensors, as DeepSpeed's FusedAdam is; None takes the resolved `optimizer.params.fused` (true where
+    the parameters are on a GPU). Without it torch picks its own kernel (foreach on a GPU)."""
     params = dict(section["params"])
     if section["type"] == "SGD":
         return torch.optim.SGD(parameters, **params)
     decoupled = section["type"] == "AdamW" or params.get("adam_w_mode", True)
     params.pop("adam_w_mode", None)
     params.pop("torch_adam", None)
-    params.pop("bias_correction", None)  # true (engine/config/support.py): torch's Adam always corrects
+    bias_correction = params.pop("bias_correction", True)
     configured = params.pop("fused", False)
     if cpu_adam:
-        return DeepSpeedCPUAdam(parameters, adamw_mode=decoupled, **params)
+        return DeepSpeedCPUAdam(parameters, adamw_mode=decoupled, bias_correction=bias_correction, **params)
     fused = configured if fused is None else fused
     if fused:
         params["fused"] = True

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine.config.errors import ConfigIssue
+from engine.config.schema import SPELLINGS
 from engine.config.validate import keys_at, schema_at, suggest
 
 
@@ -95,4 +96,21 @@ def apply_overrides(document: dict, assignments: Iterable[str]) -> list[ConfigIs
         for key in path[:-1]:
             target = target.setdefault(key, {})
         target[path[-1]] = value
+        _drop_other_spellings(document, tuple(path))
     return issues
+
+
+def _drop_other_spellings(document: dict, path: tuple[str, ...]) -> None:
+    """A `--set` of a key that DeepSpeed spellings also set (parallel.tensor_parallel_size beside a
+    file's tensor_parallel.autotp_size) replaces the file's value under every spelling: the value typed
+    last wins, as with any override, where the file's two spellings would be refused as a
+    disagreement. A DeepSpeed section left empty goes with them. `python -m engine plan`'s layout
+    search sets the engine's keys so on any config."""
+    for key in {spelling.key for spelling in SPELLINGS if path in (spelling.key, spelling.path)}:
+        for other in [key, *(spelling.path for spelling in SPELLINGS if spelling.key == key)]:
+            section = document.get(other[0])
+            if other == path or not isinstance(section, dict) or other[1] not in section:
+                continue
+            del section[other[1]]
+            if not section and other != key:
+                del document[other[0]]

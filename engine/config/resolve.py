@@ -42,7 +42,8 @@ class EngineConfig:
     source: Path | None = field(default=None, compare=False)
     # What `trainer.single_rank_fast_path` changed, as the start-up log names it ("" where nothing).
     rerouted: str = field(default="", compare=False)
-    # One line per deprecated DeepSpeed spelling the config used, naming the key it was read as.
+    # One line per deprecated DeepSpeed spelling, or DeepSpeed spelling of an engine key, the config
+    # used, naming the key it was read as.
     notices: tuple[str, ...] = field(default=(), compare=False)
 
     @cached_property

@@ -64,9 +64,11 @@ def auto_bf16(document: dict, hardware: Hardware) -> bool:
 def auto_torch_adam(document: dict) -> bool:
     """What optimizer.params.torch_adam "auto" resolves to: torch's Adam, which needs no compiler, wherever
     DeepSpeed would build its FusedAdam; DeepSpeed's own Adam under optimizer offload (its C++ CPU Adam is
-    the fast host optimizer) and with legacy_fusion, which only FusedAdam's fp16 wrapper reads."""
+    the fast host optimizer), with legacy_fusion, which only FusedAdam's fp16 wrapper reads, and with
+    bias_correction false, which torch's Adam has no switch for."""
     offloaded = document["zero_optimization"]["offload_optimizer"]["device"] != "none"
-    return not offloaded and not document["optimizer"].get("legacy_fusion")
+    uncorrected = document["optimizer"]["params"].get("bias_correction") is False
+    return not offloaded and not document["optimizer"].get("legacy_fusion") and not uncorrected
 
 
 def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
@@ -256,6 +258,13 @@ def check_zero(document: dict, world_size: int, hardware: Hardware | None) -> It
             "true asks for torch's fused Adam, but torch_adam resolves to false, so DeepSpeed builds its own Adam "
             "(FusedAdam, or CPU Adam under optimizer offload), which has no such switch; set "
             "optimizer.params.torch_adam to true or drop fused",
+        )
+    if deepspeed and optimizer["params"].get("bias_correction") is False and torch_adam is True:
+        yield ConfigIssue(
+            "optimizer.params.bias_correction",
+            "false needs DeepSpeed's own Adam (FusedAdam, or CPU Adam under optimizer offload), and torch_adam true "
+            'hands the step to torch\'s Adam, which always corrects; set optimizer.params.torch_adam to "auto" or '
+            "false, or drop bias_correction",
         )
     if deepspeed and optimizer["type"] == "SGD" and stage >= 1 and not document["zero_allow_untested_optimizer"]:
         yield ConfigIssue(
@@ -464,6 +473,13 @@ def check_accelerate_backend(document: dict, world_size: int, hardware: Hardware
             "fp16.enabled",
             "the accelerate backend trains in fp32 or bf16 (fp16 needs a loss scaler it does not run); use bf16, "
             "or the DeepSpeed backend",
+        )
+    if document["optimizer"]["params"].get("bias_correction") is False:
+        yield ConfigIssue(
+            "optimizer.params.bias_correction",
+            "false is not supported on the accelerate backend, which steps torch's Adam, and torch's Adam always "
+            'corrects; drop the key, or train on the DeepSpeed backend (trainer.backend "deepspeed"), whose Adam '
+            "implements it",
         )
 
 

@@ -13,6 +13,8 @@ from DeepSpeed, whose defaults change between releases (0.19 turned `gradient_cl
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config.deepspeed_schema import MODEL_SECTIONS, TIMER_SECTIONS, model_schema
@@ -137,9 +139,10 @@ _ADAM_PARAMS = {
         "Decoupled (AdamW) or L2 (Adam with adam_w_mode false) weight decay." + _HF_AUTO, 0.0, auto=True, minimum=0
     ),
     "bias_correction": _boolean(
-        "Adam's bias correction (FusedAdam's and DeepSpeedCPUAdam's argument). Only true: torch's Adam, which the "
-        "accelerate backend and the single-process reference run, always corrects; under torch_adam it is left out "
-        "of what reaches DeepSpeed, which would hand it to torch."
+        "Adam's bias correction (FusedAdam's and DeepSpeedCPUAdam's argument). false runs DeepSpeed's own Adam, "
+        'whose kernels implement it (torch_adam "auto" resolves to false); refused with torch_adam true and on the '
+        "accelerate backend, whose torch Adam always corrects. Under torch_adam, true is left out of what reaches "
+        "DeepSpeed, which would hand it to torch."
     ),
     "adam_w_mode": _boolean(
         'DeepSpeed runs "Adam" as AdamW unless this is false; the default keeps that behaviour explicit.',
@@ -148,7 +151,8 @@ _ADAM_PARAMS = {
     "torch_adam": _boolean(
         "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (the same update); false asks for FusedAdam by "
         'name. "auto": true, so the optimizer needs no compiler, except under optimizer offload (DeepSpeed\'s C++ CPU '
-        "Adam is the host optimizer) and with legacy_fusion (read by FusedAdam's fp16 wrapper only). A DeepSpeed op "
+        "Adam is the host optimizer), with legacy_fusion (read by FusedAdam's fp16 wrapper only) and with "
+        "bias_correction false (torch's Adam always corrects). A DeepSpeed op "
         "a run needs is checked and built once per node before the ranks start.",
         AUTO,
         auto=True,
@@ -437,6 +441,93 @@ _CHECKPOINT = _object(
 )
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """A DeepSpeed key for a feature the engine runs under a key of its own: `path` is read as `key`
+    (engine/config/validate.py `canonical_spellings`, one notice line), and refused beside it, or beside
+    another spelling of it, with another value. `read` turns the value into the engine key's."""
+
+    path: tuple[str, str]
+    key: tuple[str, str]
+    feature: str  # what both keys set, as the notice and the refusal name it
+    schema: dict
+    read: Callable[[Any], Any] = lambda value: value
+
+    def describe(self) -> dict:
+        """The spelling's schema, described by what it is read as."""
+        key = ".".join(self.key)
+        said = f"DeepSpeed's spelling of {self.feature}: read as {key}, with one notice line; refused beside {key}"
+        return {**self.schema, "description": f"{said} with another value. {self.schema['description']}".strip()}
+
+
+# DeepSpeed's spellings of the engine's tensor parallelism and pipeline stages. The engine runs
+# them itself (models/ plans, PipelineModule), so each DeepSpeed key is read as the engine's, and
+# nothing of them reaches DeepSpeed, whose AutoTP would rewrite the model a second time.
+SPELLINGS: tuple[Spelling, ...] = (
+    Spelling(
+        ("tensor_parallel", "autotp_size"),
+        ("parallel", "tensor_parallel_size"),
+        "the tensor-parallel degree",
+        _integer("DeepSpeed's AutoTP request; 0, DeepSpeed's off, reads as 1.", minimum=0),
+        lambda size: 1 if size == 0 else size,
+    ),
+    Spelling(
+        ("tensor_parallel", "tp_size"),
+        ("parallel", "tensor_parallel_size"),
+        "the tensor-parallel degree",
+        _integer("As DeepSpeed's inference config writes it.", minimum=1),
+    ),
+    Spelling(
+        ("pipeline", "pipeline_parallel_size"),
+        ("parallel", "pipeline_parallel_size"),
+        "the pipeline-stage count",
+        _integer("", minimum=1),
+    ),
+    Spelling(
+        ("pipeline", "activation_checkpoint_interval"),
+        ("parallel", "pipeline_activation_checkpoint_interval"),
+        "the pipeline's activation-checkpoint interval",
+        _integer("DeepSpeed's pipeline engine would set its stages' interval from it, over the engine's.", minimum=0),
+    ),
+)
+
+
+def _spelled_in(section: str) -> dict[str, dict]:
+    return {spelling.path[1]: spelling.describe() for spelling in SPELLINGS if spelling.path[0] == section}
+
+
+# DeepSpeed reads the section with plain lookups (deepspeed/runtime/config.py get_pipeline_config);
+# its pipeline engine acts on these keys (deepspeed/runtime/pipe/engine.py).
+_PIPELINE = _object(
+    "DeepSpeed's pipeline engine options, for pipeline stages (parallel.pipeline_parallel_size > 1).",
+    {
+        **_spelled_in("pipeline"),
+        "pipe_partitioned": _boolean(
+            "Under tensor parallelism, each stage sends its activations split across its tensor-parallel ranks, and "
+            "the next stage all-gathers them; false: every rank sends them whole to its counterpart. No effect "
+            "without tensor parallelism. DeepSpeed's default: true."
+        ),
+        "grad_partitioned": _boolean(
+            "The same for the gradients each stage sends back to the one before. DeepSpeed's default: true."
+        ),
+        "use_reentrant": {
+            "enum": [False],
+            "description": "Only false, what runs: the engine's stages recompute with DeepSpeed's non-reentrant "
+            "checkpoint (parallel.pipeline_activation_checkpoint_interval). DeepSpeed's default, true, asks for the "
+            "reentrant one, which the engine does not run.",
+        },
+    },
+)
+
+_TENSOR_PARALLEL = {
+    "type": "object",
+    "description": "DeepSpeed's AutoTP. Its size is read as parallel.tensor_parallel_size: the engine's own tensor "
+    "parallelism, split by the model family's plan (models/). AutoTP's other options rewrite the model by "
+    "DeepSpeed's rules and are refused.",
+    "properties": _spelled_in("tensor_parallel"),
+}
+
+
 def _feature(description: str) -> dict:
     """A DeepSpeed section the engine refuses where it is on (engine/config/support.py says why): any
     keys DeepSpeed takes, since it is only read to be refused or to be off."""
@@ -448,7 +539,7 @@ _FEATURES = {
     "autotuning": _feature("DeepSpeed's autotuner, run by `deepspeed --autotuning`."),
     "data_efficiency": _feature("DeepSpeed's data efficiency: curriculum learning and random-LTD through its sampler."),
     "expert_parallel": _feature("DeepSpeed's automatic expert parallelism for mixture-of-experts models."),
-    "pipeline": _feature("DeepSpeed's pipeline engine options (pipe_partitioned, grad_partitioned, ...)."),
+    "pipeline": _PIPELINE,
     "weight_quantization": _feature("DeepSpeed's post-training weight quantization."),
     "datastates_ckpt": _feature("DataStates-LLM asynchronous checkpointing."),
     "sequence_parallel_size": _integer("DeepSpeed-Ulysses sequence-parallel degree.", minimum=1),
@@ -631,7 +722,7 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "csv_monitor": _CSV_MONITOR,
     "wandb": _WANDB,
     **{key: model_schema(MODEL_SECTIONS[key]) for key in ("comet", "comms_logger", "compile", "hybrid_engine")},
-    "tensor_parallel": _feature("DeepSpeed's AutoTP tensor parallelism."),
+    "tensor_parallel": _TENSOR_PARALLEL,
     "activation_checkpointing": _ACTIVATION_CHECKPOINTING,
     "flops_profiler": _FLOPS_PROFILER,
     "checkpoint": _CHECKPOINT,

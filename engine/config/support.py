@@ -1,10 +1,12 @@
 """Valid DeepSpeed that this engine cannot honour, refused with the reason instead of ignored.
 
 DeepSpeed accepts a key and acts on it only where the rest of the program takes part: DeepSpeed-
-Chat's hybrid engine needs an RLHF loop, DeepSpeed's data efficiency its own sampler, AutoTP a model
-it can rewrite. Here such a key would be read and do nothing, so it is refused where it is on, and
-the README's table lists them. Under the accelerate backend every DeepSpeed-only key a config sets
-away from its default is refused, naming `trainer.backend`.
+Chat's hybrid engine needs an RLHF loop, DeepSpeed's data efficiency its own sampler, AutoTP's
+partition rules a model it can rewrite. Here such a key would be read and do nothing, so it is
+refused where it is on, and the README's table lists them. DeepSpeed's spellings of what the engine
+runs itself (AutoTP's size, the pipeline's stage count) are read as the engine's keys instead
+(engine/config/validate.py `canonical_spellings`). Under the accelerate backend every DeepSpeed-only
+key a config sets away from its default is refused, naming `trainer.backend`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ UNSUPPORTED: dict[str, str] = {
     "its own loop; this engine trains one model on a corpus",
     "data_efficiency": "curriculum learning and random-LTD need DeepSpeed's data sampler and model hooks; the engine "
     "samples its own data (data.*)",
-    "tensor_parallel": "DeepSpeed's AutoTP rewrites the model's layers; the engine's tensor parallelism is "
-    "parallel.tensor_parallel_size (Megatron-style, in models/)",
+    "tensor_parallel": "AutoTP's options rewrite the model's layers by DeepSpeed's rules; the engine splits them by "
+    "the model family's own plan (models/), sized by tensor_parallel.autotp_size or parallel.tensor_parallel_size, "
+    "so keep only the size",
     "expert_parallel": "no model family here has mixture-of-experts layers",
     "sequence_parallel_size": "DeepSpeed-Ulysses needs its distributed attention inside the model; the model families "
     "here do not call it",
@@ -91,12 +94,6 @@ def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
             "through model.activation_checkpointing (torch's checkpoint, which has none of these options)",
         )
     yield from _writer_issues(document.get("checkpoint", {}).get("writer"), document["trainer"]["async_save"])
-    if document["optimizer"]["params"].get("bias_correction") is False:
-        yield ConfigIssue(
-            "optimizer.params.bias_correction",
-            "false is not supported: torch's Adam, which the accelerate backend and the single-process reference "
-            "run, always corrects bias; drop the key",
-        )
 
 
 def _writer_issues(writer: dict | None, async_save: bool) -> Iterator[ConfigIssue]:

@@ -20,7 +20,7 @@ from jsonschema.exceptions import ValidationError
 
 from engine.config.deepspeed_schema import aliases, converted, removed_keys
 from engine.config.errors import ConfigIssue, json_path
-from engine.config.schema import SCHEMA
+from engine.config.schema import SCHEMA, SPELLINGS
 
 _VALIDATOR = Draft202012Validator(SCHEMA)
 _ALIASES = aliases()
@@ -36,7 +36,15 @@ _REASONS: dict[tuple, str] = {
         for alias in _ALIASES
         if alias.new
     },
+    ("pipeline", "stages"): "DeepSpeed's pipeline engine reads no stage count here (PipelineModule's num_stages sets "
+    "it); set pipeline.pipeline_parallel_size or parallel.pipeline_parallel_size",
+    ("pipeline", "partition"): "DeepSpeed's pipeline engine ignores it (PipelineModule's partition_method splits the "
+    "layers); set parallel.pipeline_partition_method",
+    ("pipeline", "seed_layers"): "DeepSpeed's pipeline engine ignores it (a PipelineModule argument); every rank "
+    "builds the whole model from trainer.seed, so each stage starts from the single-process weights",
 }
+# Each engine key that a DeepSpeed spelling sets, in the order of SPELLINGS.
+_SPELLED_KEYS = tuple(dict.fromkeys(spelling.key for spelling in SPELLINGS))
 
 
 def suggest(word: str, choices: list[str]) -> str:
@@ -117,10 +125,12 @@ def _optimizer_problem(name: str) -> str:
 
 
 def schema_issues(document: Any) -> list[ConfigIssue]:
-    """Every schema violation in `document`, one issue per problem."""
+    """Every schema violation in `document`, one issue per problem, and every engine key that
+    `canonical_spellings` left beside a DeepSpeed spelling of it with another value."""
     return [
         *(issue for error in _VALIDATOR.iter_errors(document) for issue in _issues_for(error)),
         *_non_finite(document, []),
+        *_spelling_conflicts(document),
     ]
 
 
@@ -144,7 +154,10 @@ def canonical_spellings(document: dict) -> dict:
     other names: deprecated aliases (`stage3_gather_fp16_weights_on_model_save`, top-level
     `bfloat16`) and its models' field names beside their documented spellings. Each is renamed to
     the current key, its value converted as DeepSpeed converts it; one given together with its
-    current key is left for the schema to refuse."""
+    current key is left for the schema to refuse. DeepSpeed's spellings of the engine's own features
+    (`tensor_parallel.autotp_size`, `pipeline.pipeline_parallel_size`: schema.SPELLINGS) move to the
+    engine's key and leave the DeepSpeed section, emptied sections with them; where they disagree
+    with each other or with the engine's key, nothing moves, for `schema_issues` to refuse."""
     document = copy.deepcopy(document)
     optimizer = document.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
@@ -159,11 +172,62 @@ def canonical_spellings(document: dict) -> dict:
             new_value = converted(alias, value)
             if new_value is not None:
                 section[alias.new] = new_value
+    for key in _SPELLED_KEYS:
+        _read_spellings(document, key)
     return document
 
 
+def _given(document: dict, key: tuple[str, str]) -> list[tuple[tuple[str, str], Any, Any]]:
+    """Where `document` sets the engine key `key`: each DeepSpeed spelling of it, then the key itself,
+    as (path, value written, value read)."""
+    places = [(spelling.path, spelling.read) for spelling in SPELLINGS if spelling.key == key]
+    given = []
+    for path, read in [*places, (key, None)]:
+        section = _section(document, path[:-1])
+        if section is not None and path[-1] in section:
+            value = section[path[-1]]
+            given.append((path, value, read(value) if read else value))
+    return given
+
+
+def _read_spellings(document: dict, key: tuple[str, str]) -> None:
+    """Move the DeepSpeed spellings of `key` in `document` to `key`, where they agree with it."""
+    given = _given(document, key)
+    spelled = [path for path, _, _ in given if path != key]
+    if not spelled or any(read != given[0][2] for _, _, read in given):
+        return
+    target = _section(document, key[:-1], create=True)
+    if target is None:  # not an object, which the schema refuses
+        return
+    for path in spelled:
+        section = _section(document, path[:-1])
+        del section[path[-1]]
+        if not section:
+            del _section(document, path[:-2])[path[-2]]
+    target[key[-1]] = given[0][2]
+
+
+def _spelling_conflicts(document: Any) -> Iterator[ConfigIssue]:
+    """Engine keys set by more than one spelling, with different values: the user meant one of them."""
+    if not isinstance(document, dict):
+        return
+    for key in _SPELLED_KEYS:
+        given = _given(document, key)
+        if all(read == given[0][2] for _, _, read in given):
+            continue
+        (path, value, _), *others = given
+        feature = next(spelling.feature for spelling in SPELLINGS if spelling.key == key)
+        listed = " and ".join(f"{json_path(list(other))} is {json.dumps(written)}" for other, written, _ in others)
+        yield ConfigIssue(
+            json_path(list(path)),
+            f"{json.dumps(value)} here, but {listed}; {'both' if len(others) == 1 else 'all'} set {feature}, so keep "
+            "one of them (or give them the same value)",
+        )
+
+
 def spelling_notices(document: dict) -> list[str]:
-    """One line for each deprecated key in `document` that `canonical_spellings` renames or drops."""
+    """One line for each deprecated key in `document` that `canonical_spellings` renames or drops, and
+    for each DeepSpeed spelling it reads as the engine's key."""
     notices = []
     for alias in _ALIASES:
         section = _section(document, alias.section)
@@ -174,12 +238,23 @@ def spelling_notices(document: dict) -> list[str]:
             notices.append(f"{old} is deprecated in DeepSpeed; read as {json_path([*alias.section, alias.new])}")
         else:
             notices.append(f"{old} is deprecated in DeepSpeed, which ignores it; dropped")
+    for spelling in SPELLINGS:
+        section = _section(document, spelling.path[:-1])
+        if section is not None and spelling.path[-1] in section:
+            notices.append(
+                f"{json_path(list(spelling.path))} is DeepSpeed's spelling of {spelling.feature}; read as "
+                f"{json_path(list(spelling.key))}"
+            )
     return notices
 
 
-def _section(document: dict, path: tuple[str, ...]) -> dict | None:
+def _section(document: dict, path: tuple[str, ...], create: bool = False) -> dict | None:
+    """The object at `path`, or None; `create` makes the missing ones on the way."""
     for key in path:
-        document = document.get(key) if isinstance(document, dict) else None
+        if create and isinstance(document, dict):
+            document = document.setdefault(key, {})
+        else:
+            document = document.get(key) if isinstance(document, dict) else None
     return document if isinstance(document, dict) else None
 
 

@@ -80,12 +80,21 @@ def test_every_rank_prints_a_config_error(tmp_path: Path):
 @pytest.mark.launch
 def test_a_commented_deepspeed_config_trains_as_one_process(tmp_path: Path):
     """DeepSpeed's ZeRO-2 offload config with its `#` and `//` comments and trailing comma, as its
-    tutorial writes it, trains on 2 ranks under the deepspeed launcher as one process does."""
+    tutorial writes it, trains on 2 ranks under the deepspeed launcher as one process does. The same
+    launch runs Adam without bias correction (DeepSpeedExamples' BERT configs), which DeepSpeed's CPU
+    Adam steps here and the reference writes out."""
     config = tmp_path / "ds_config.json"
     config.write_text(COMMENTED_ZERO2_OFFLOAD)
-    overrides = {"trainer.max_steps": 3, "trainer.log_interval": 1, "trainer.eval_batches": 1}
+    overrides = {
+        "trainer.max_steps": 3,
+        "trainer.log_interval": 1,
+        "trainer.eval_batches": 1,
+        "optimizer.params.bias_correction": False,
+    }
     run = launch(str(config), overrides, tmp_path / "run", nproc=2)
     reference = reference_run(str(config), overrides, world_size=2)
+    resolved = json.loads((run.output_dir / "resolved_config.json").read_text())["optimizer"]["params"]
+    assert (resolved["bias_correction"], resolved["torch_adam"]) == (False, False)  # DeepSpeed's CPU Adam
     assert len(run.losses) == 3
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_weights_match(run.exported_state_dict(), reference.model, CLIPPED_WEIGHT_TOLERANCE)

@@ -5,6 +5,7 @@ test_reshape.py."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -108,6 +109,41 @@ def test_layout_matches_single_process(layout: Layout, tmp_path: Path, request: 
         tokenizer = AutoTokenizer.from_pretrained(run.output_dir / "export")
         trained = AutoTokenizer.from_pretrained(request.getfixturevalue("hf_tokenizer_dir"))
         assert tokenizer("To be, or not to be").input_ids == trained("To be, or not to be").input_ids != []
+
+
+# The issue's 3D example scaled to 4 ranks and written as DeepSpeed's users write it: the stage
+# count and the tensor-parallel degree under DeepSpeed's keys, and the stages' partitioned sends.
+# (Adam without bias correction, which needs DeepSpeed's own Adam, trains in test_config_launched.py,
+# under offload, whose CPU Adam the suite builds anyway: FusedAdam's CPU build would cost 2 minutes.)
+DEEPSPEED_SPELLED = {
+    "pipeline": {"pipeline_parallel_size": 2, "pipe_partitioned": True, "grad_partitioned": True},
+    "tensor_parallel": {"tp_size": 2},
+}
+
+
+@pytest.mark.launch
+def test_deepspeeds_spellings_train_the_engines_layout_as_one_process(tmp_path: Path):
+    config = tmp_path / "deepspeed_spelled.json"
+    config.write_text(json.dumps({**json.loads((ROOT / GPT).read_text()), **DEEPSPEED_SPELLED}))
+    overrides = {"trainer.max_steps": 4}
+    run = launch(str(config), overrides, tmp_path / "run", nproc=4)
+    reference = reference_run(str(config), overrides, world_size=4)
+    assert len(run.losses) == 4
+    assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
+    assert_grad_norms_match(run.records, reference.grad_norms)
+    assert run.losses[-1] < run.losses[0]
+    assert_weights_match(run.exported_state_dict(), reference.model, TENSOR_WEIGHT_TOLERANCE)
+    assert_eval_matches(run.records, reference.eval_loss, LOSS_TOLERANCE)
+    assert_start_up_table(run.stdout, Layout("deepspeed_spelled", str(config), 4, {**PP2, **TP2}))
+    for spelled, key in (
+        ("tensor_parallel.tp_size", "tensor_parallel_size"),
+        ("pipeline.pipeline_parallel_size", "pipeline_parallel_size"),
+    ):
+        assert f"{spelled} is DeepSpeed's spelling of " in run.stdout and f"; read as parallel.{key}" in run.stdout
+    # What ran, as handed to deepspeed.initialize: PipelineEngine reads the partitioned sends from it.
+    resolved = json.loads((run.output_dir / "resolved_config.json").read_text())
+    assert resolved["pipeline"] == {"pipe_partitioned": True, "grad_partitioned": True}
+    assert "tensor_parallel" not in resolved
 
 
 def assert_start_up_table(log: str, layout: Layout) -> None:

@@ -4,8 +4,10 @@ ranks of a data-parallel run read, walked one after another in one process."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -69,7 +71,10 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     # the comparison measures what ZeRO and offload do (partitioning, moving, reducing), not two
     # Adam kernels.
     groups = parameter_groups(model.parameters(), doc["optimizer"], trainer.weight_decay_on)
-    optimizer = build_optimizer(doc["optimizer"], groups, cpu_adam=offload)
+    if doc["optimizer"]["params"].get("bias_correction") is False and not offload:
+        optimizer = UncorrectedAdam.from_section(groups, doc["optimizer"])
+    else:
+        optimizer = build_optimizer(doc["optimizer"], groups, cpu_adam=offload)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
     accumulation, dp = doc["gradient_accumulation_steps"], config.dp_size
     loaders = [
@@ -107,6 +112,56 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     if family.samples == "tokens":
         eval_loss = _evaluate(model, bundle.validation, doc["train_micro_batch_size_per_gpu"], dp, config)
     return ReferenceRun(config, losses, grad_norms, model, eval_loss, bundle.validation)
+
+
+class UncorrectedAdam(torch.optim.Optimizer):
+    """Adam without bias correction (`optimizer.params.bias_correction: false`, as DeepSpeedExamples'
+    BERT configs train), which torch's Adam has no switch for: the update DeepSpeed's FusedAdam and CPU
+    Adam kernels make with bias_correction 0, written out so the reference does not run DeepSpeed's
+    kernel to check DeepSpeed's kernel. With m and v the moving averages as they are,
+    p -= lr * (m / (sqrt(v) + eps) + weight_decay * p) when decay is decoupled (AdamW), or
+    weight_decay * p is added to the gradient first (Adam with adam_w_mode false)."""
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        decoupled: bool,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.decoupled = decoupled
+
+    @classmethod
+    def from_section(cls, groups: list[dict[str, Any]], section: dict[str, Any]) -> UncorrectedAdam:
+        """The optimizer a resolved `optimizer` section describes; DeepSpeed runs "Adam" as AdamW unless
+        adam_w_mode is false."""
+        params = section["params"]
+        decoupled = section["type"] == "AdamW" or params.get("adam_w_mode", True)
+        return cls(groups, params["lr"], params["betas"], params["eps"], params["weight_decay"], decoupled)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            decay = group["weight_decay"]
+            for parameter in group["params"]:
+                if parameter.grad is None:
+                    continue
+                grad = parameter.grad if self.decoupled else parameter.grad + decay * parameter
+                state = self.state[parameter]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(parameter)
+                    state["exp_avg_sq"] = torch.zeros_like(parameter)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
+                if self.decoupled:
+                    update += decay * parameter
+                parameter -= group["lr"] * update
 
 
 def _evaluate(model: torch.nn.Module, validation: Dataset, micro_batch: int, dp: int, config: EngineConfig) -> float:
