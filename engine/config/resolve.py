@@ -15,7 +15,7 @@ from typing import Any
 
 from data.tokens.cache import default_cache_dir
 from engine.config.batch import solve_document_batch
-from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, auto_torch_adam, data_parallel_size, offloads
+from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, auto_fp16, auto_torch_adam, data_parallel_size, offloads
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
 from engine.config.validate import schema_at
@@ -98,8 +98,14 @@ class EngineConfig:
         return "bf16" if self.autocast else self.precision
 
     def deepspeed_config(self) -> dict[str, Any]:
-        """The DeepSpeed keys only, as `deepspeed.initialize(config=...)` takes them."""
-        return {key: copy.deepcopy(value) for key, value in self.document.items() if key in DEEPSPEED_PROPERTIES}
+        """The DeepSpeed keys only, as `deepspeed.initialize(config=...)` takes them. `fused: false` stays in
+        the document (resolved_config.json holds what ran) but is not handed on: torch reads fused=False
+        as "no foreach either" (torch/optim/adam.py), and DeepSpeed's own Adams take no such argument."""
+        config = {key: copy.deepcopy(value) for key, value in self.document.items() if key in DEEPSPEED_PROPERTIES}
+        params = config.get("optimizer", {}).get("params", {})
+        if params.get("fused") is False:
+            del params["fused"]
+        return config
 
     def with_vocab_size(self, vocab_size: int) -> EngineConfig:
         """Settle `model.vocab_size: "auto"` once the tokenizer is known (it is built from the data),
@@ -224,9 +230,7 @@ def _resolve_precision(doc: dict, hardware: Hardware) -> None:
             doc["bf16"]["enabled"], doc["torch_autocast"]["enabled"] = False, True
             autocast = True
     if doc["fp16"]["enabled"] == AUTO:
-        doc["fp16"]["enabled"] = (
-            not autocast and hardware.device_type == "cuda" and not doc["bf16"]["enabled"] and hardware.fp16_supported
-        )
+        doc["fp16"]["enabled"] = not autocast and auto_fp16(doc, hardware, doc["bf16"]["enabled"])
     if doc["bf16"]["check_grad_overflow"] == AUTO:
         doc["bf16"]["check_grad_overflow"] = doc["trainer"]["nonfinite"] == "skip"
     if doc["data_types"]["buffer_dtype"] == AUTO:
@@ -284,10 +288,6 @@ def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
         params.pop("bias_correction", None)  # torch's Adam takes no such argument and always corrects
     if params.get("fused") == AUTO:
         params["fused"] = hardware.device_type == "cuda" and _torch_adam_steps_on_device(doc)
-    if params.get("fused") is False:
-        # Left out, not false: torch reads fused=False as "no foreach either" (torch/optim/adam.py), and
-        # DeepSpeed's own Adams, which it would reach under torch_adam false, take no such argument.
-        params.pop("fused")
     scheduler = doc.get("scheduler")
     if not scheduler:
         return

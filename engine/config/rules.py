@@ -61,6 +61,13 @@ def auto_bf16(document: dict, hardware: Hardware) -> bool:
     return not document["torch_autocast"]["enabled"] and hardware.device_type == "cuda" and hardware.bf16_supported
 
 
+def auto_fp16(document: dict, hardware: Hardware, bf16: bool) -> bool:
+    """What fp16.enabled "auto" resolves to: fp16 on a CUDA device that has it, where bf16 (`bf16`, as
+    resolved) and torch_autocast are off."""
+    autocast = document["torch_autocast"]["enabled"] is True
+    return not autocast and not bf16 and hardware.device_type == "cuda" and hardware.fp16_supported
+
+
 def auto_torch_adam(document: dict) -> bool:
     """What optimizer.params.torch_adam "auto" resolves to: torch's Adam, which needs no compiler, wherever
     DeepSpeed would build its FusedAdam; DeepSpeed's own Adam under optimizer offload (its C++ CPU Adam is
@@ -100,7 +107,10 @@ def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -
             "checkpoints it writes (KeyError in _load_legacy_checkpoint); use stage 1, which resumes, and whose "
             "optimizer states on one data-parallel replica are the same",
         )
-    if stage == 0 and document["fp16"]["enabled"] is True:
+    fp16 = document["fp16"]["enabled"]
+    if fp16 == AUTO and hardware is not None:
+        fp16 = auto_fp16(document, hardware, bf16 is True)
+    if stage == 0 and fp16 is True:
         yield ConfigIssue(
             "zero_optimization.stage",
             "ZeRO-0 with fp16 under pipeline parallelism would not scale the loss: DeepSpeed's pipeline engine "

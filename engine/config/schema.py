@@ -152,8 +152,9 @@ _ADAM_PARAMS = {
         "Use torch.optim.Adam/AdamW instead of DeepSpeed's FusedAdam (the same update); false asks for FusedAdam by "
         'name. "auto": true, so the optimizer needs no compiler, except under optimizer offload (DeepSpeed\'s C++ CPU '
         "Adam is the host optimizer), with legacy_fusion (read by FusedAdam's fp16 wrapper only) and with "
-        "bias_correction false (torch's Adam always corrects). A DeepSpeed op "
-        "a run needs is checked and built once per node before the ranks start.",
+        "bias_correction false (torch's Adam always corrects). A DeepSpeed op a run needs is checked in "
+        "every rank's pre-flight, before any process group, and built by one rank of each node while the "
+        "others wait.",
         AUTO,
         auto=True,
     ),

@@ -406,7 +406,7 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["train_batch_size"] == 2 * 2 * 4
     assert on_cpu["gradient_clipping"] == 1.0
     assert on_cpu["bf16"]["enabled"] is False
-    assert on_cpu["optimizer"]["params"]["torch_adam"] is True and "fused" not in on_cpu["optimizer"]["params"]
+    assert on_cpu["optimizer"]["params"]["torch_adam"] is True and on_cpu["optimizer"]["params"]["fused"] is False
     assert on_cpu["scheduler"]["params"]["total_num_steps"] == 77
     assert on_cpu["scheduler"]["params"]["warmup_max_lr"] == on_cpu["optimizer"]["params"]["lr"]
     assert on_cpu["zero_optimization"]["reduce_bucket_size"] == 40_000_000  # Megatron's floor
@@ -545,3 +545,16 @@ def test_config_reference_is_generated_from_the_schema():
     assert committed == render_reference(), "docs/config_reference.md is stale: run `python -m engine docs`"
     for key in ("zero_optimization.offload_param.device", "model.n_head", "trainer.resume", "data.seq_len"):
         assert f"`{key}`" in committed
+
+
+def test_fp16_auto_on_an_fp16_only_gpu_is_refused_under_zero0_pipeline_stages():
+    """HF's `"fp16": {"enabled": "auto"}` on a V100 or T4 resolves to fp16, which ZeRO-0 pipeline
+    stages would train unscaled: refused before resolving, as fp16 written out is."""
+    v100 = Hardware("cuda", bf16_supported=False, fp16_supported=True, cpu_count=8, local_world_size=2, name="V100")
+    document = with_changes(
+        fp16={"enabled": "auto"}, zero_optimization={"stage": 0}, parallel={"pipeline_parallel_size": 2}
+    )
+    messages = issues_of(document, 2, v100)
+    assert any(m.startswith("zero_optimization.stage: ZeRO-0 with fp16 under pipeline parallelism") for m in messages)
+    document["zero_optimization"]["stage"] = 1
+    assert resolve(check_document(document, 2, v100), 2, v100).document["fp16"]["enabled"] is True

@@ -106,16 +106,20 @@ def test_optimizer_offload_builds_deepspeeds_cpu_adam_unless_torch_adam_is_asked
     for hardware in (GPU, CPU):
         document = resolved("zero2_offload.json", [], hardware)
         assert document["optimizer"]["params"]["torch_adam"] is False
-        assert "fused" not in document["optimizer"]["params"]  # left out: torch's foreach default stays
+        assert document["optimizer"]["params"]["fused"] is False
         assert ops_needed(document, hardware.device_type)[-1:] == ["cpu_adam"]
     document = resolved("zero3_offload.json", ["optimizer.params.torch_adam=true"], GPU)
     assert ops_needed(document, "cuda") == []
-    assert "fused" not in document["optimizer"]["params"]  # the masters are on the host
+    assert document["optimizer"]["params"]["fused"] is False  # the masters are on the host
 
 
 def test_fused_adam_is_built_only_where_the_config_asks_for_it_by_name():
-    document = resolved("zero2.json", ["optimizer.params.torch_adam=false"], GPU)
-    assert "fused" not in document["optimizer"]["params"]  # DeepSpeed's FusedAdam takes no such argument
+    config = load_config(
+        ROOT / "configs" / "zero2.json", ["optimizer.params.torch_adam=false"], world_size=2, hardware=GPU
+    )
+    document = config.document
+    assert document["optimizer"]["params"]["fused"] is False  # resolved_config.json holds what ran
+    assert "fused" not in config.deepspeed_config()["optimizer"]["params"]  # FusedAdam takes no such argument
     assert ops_needed(document, "cuda") == ["fused_adam"]
     document = resolved("zero2.json", ["optimizer.legacy_fusion=true"], GPU)  # read by FusedAdam's wrapper only
     assert ops_needed(document, "cuda") == ["fused_adam"]
@@ -125,14 +129,14 @@ def test_fused_adam_is_built_only_where_the_config_asks_for_it_by_name():
 
 def test_the_accelerate_backend_fuses_only_where_nothing_is_offloaded():
     assert resolved("ddp.json", [], GPU)["optimizer"]["params"]["fused"] is True
-    assert "fused" not in resolved("fsdp_offload.json", [], GPU)["optimizer"]["params"]
+    assert resolved("fsdp_offload.json", [], GPU)["optimizer"]["params"]["fused"] is False
     assert ops_needed(resolved("fsdp_offload.json", [], GPU), "cuda") == []
 
 
 def test_a_cpu_run_builds_deepspeeds_communication_op_and_the_writer_builds_async_io():
     """init_distributed builds DeepSpeed's shared-memory op on a CPU; FastPersist writes through async_io."""
     document = resolved("zero2.json", [], CPU)
-    assert "fused" not in document["optimizer"]["params"]
+    assert document["optimizer"]["params"]["fused"] is False
     assert ops_needed(document, "cpu") == ["deepspeed_shm_comm"]
     document["checkpoint"] = {"writer": {"type": "fast"}}
     assert ops_needed(document, "cuda") == ["async_io"]
