@@ -90,6 +90,7 @@ def test_hf_auto_takes_the_engines_defaults():
         "weight_decay": 0.0,
         "adam_w_mode": True,
         "torch_adam": True,
+        "fused": False,  # torch's fused kernel is for parameters on a GPU
     }
     assert resolved["scheduler"]["params"] == {
         "warmup_min_lr": 0.0,
