@@ -37,29 +37,20 @@ def fp16_optimizer_masters(optimizer: object) -> dict[int, torch.Tensor]:
     parameter (`fp32_groups`), FP16_Optimizer one flat tensor per group (`fp32_groups_flat`, laid
     out as `_flatten_dense_tensors` lays out the group)."""
     groups = getattr(optimizer, "fp16_groups", None)
-    if groups is None:
+    attributes = vars(optimizer) if groups is not None else {}
+    if not ("fp32_groups" in attributes or "fp32_groups_flat" in attributes):
         return {}
-    if hasattr(optimizer, "fp32_groups"):
-        masters = optimizer.fp32_groups
-    elif hasattr(optimizer, "fp32_groups_flat"):
-        masters = [
-            _unflatten_dense_tensors(flat, params)
-            for params, flat in zip(groups, optimizer.fp32_groups_flat, strict=True)
-        ]
-    else:
-        return {}
-    return {
-        id(parameter): master
-        for parameters, group_masters in zip(groups, masters, strict=True)
-        for parameter, master in zip(parameters, group_masters, strict=True)
-    }
+    parameters = [parameter for group in groups for parameter in group]
+    masters = saved_fp16_optimizer_masters(attributes, groups)
+    return {id(parameter): master for parameter, master in zip(parameters, masters, strict=True)}
 
 
 def saved_fp16_optimizer_masters(state: Mapping[str, Any], groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The fp32 masters in a saved `state_dict()` of the same two optimizers, parameter by parameter in
-    the order of `groups` (a tensor of each parameter's shape, group by group, as the groups were
-    handed to `deepspeed.initialize`): FP16_UnfusedOptimizer's `fp32_groups` as they are,
-    FP16_Optimizer's `fp32_groups_flat` cut back into the group's shapes."""
+    """The fp32 masters in a saved `state_dict()` of the same two optimizers (or in their attributes,
+    which carry the same names), parameter by parameter in the order of `groups` (a tensor of each
+    parameter's shape, group by group, as the groups were handed to `deepspeed.initialize`):
+    FP16_UnfusedOptimizer's `fp32_groups` as they are, FP16_Optimizer's `fp32_groups_flat` cut back
+    into the group's shapes."""
     if "fp32_groups" in state:
         return [master for group in state["fp32_groups"] for master in group]
     flats = zip(state["fp32_groups_flat"], groups, strict=True)
