@@ -6,6 +6,7 @@ needs from the data, the checkpoint to resume and the weights to start from. A f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from data.streaming import StreamedCorpus
 from data.tokens.external import check_ids_below
 from engine.backends.optim import exempts_vectors
 from engine.checkpoints.integrity import check_intact
+from engine.checkpoints.nvme import resume_problem
 from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layout
 from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
@@ -25,6 +27,7 @@ from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
 from engine.launch.hardware import Hardware, detect_hardware
+from engine.launch.nvme import PARAM_BUFFER_SIZE, nvme_paths, nvme_problems, smallest_swap
 from engine.launch.ops import prepare_ops
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
@@ -165,8 +168,11 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         get_family(config.model.family).check_init_from(config.model.fields)
         layout = checkpoint_layout(config, bundle)
         reshape = resume is not None and needs_conversion(saved, layout, resume.path)
+        if resume is not None:
+            check_nvme_resume(config, resume, reshape)
         fault = fault_from_env()
         parameters = check_wall_time(config)
+        check_nvme(config, hardware)
         prepare_ops(config.document, hardware.device_type)  # last: it may build for minutes
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
@@ -190,6 +196,42 @@ def check_wall_time(config: EngineConfig) -> int:
             f"{parameters:,} parameters); allow more time"
         )
     return parameters
+
+
+def check_nvme(config: EngineConfig, hardware: Hardware) -> None:
+    """ZeRO-Infinity's folders and buffers, checked on this node before its ranks start: each
+    nvme_path writable, taking direct I/O and with room for the swap files `plan` counts; the swap
+    buffers within what this user may page-lock; and every swapped parameter partition within
+    offload_param.buffer_size, which DeepSpeed asserts only when it first swaps it in."""
+    if not nvme_paths(config.document):
+        return
+    from engine.plan import nvme_bytes, plan_run  # the planner, only where a run swaps to NVMe
+
+    plan = plan_run(config, hardware)
+    problems = nvme_problems(config.document, nvme_bytes(plan), max(rank.states.host_buffers for rank in plan.ranks))
+    zero = config.document["zero_optimization"]
+    if zero["offload_param"]["device"] == "nvme":
+        family = get_family(config.model.family)
+        with torch.device("meta"):
+            sizes = [parameter.numel() for parameter in family.build(config.model.fields).parameters()]
+        largest = math.ceil(max(sizes) / parallel_layout(config).data)
+        buffer_size = zero["offload_param"].get("buffer_size", PARAM_BUFFER_SIZE)
+        swapped = largest * (4 if config.precision == "fp32" else 2) >= smallest_swap(config.document)
+        if swapped and largest > buffer_size:
+            problems.append(
+                f"zero_optimization.offload_param.buffer_size: {buffer_size} elements is less than this model's "
+                f"largest parameter partition, {largest}; DeepSpeed swaps a partition through one buffer"
+            )
+    if problems:
+        raise ValueError("NVMe offload: " + "\n  ".join(problems))
+
+
+def check_nvme_resume(config: EngineConfig, resume: CheckpointRef, reshape: bool) -> None:
+    """A checkpoint whose optimizer states are in NVMe swap files resumes only as it was saved."""
+    swaps = config.document["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    problem = resume_problem(resume.path, swaps, reshape)
+    if problem:
+        raise ValueError(f"trainer.resume: {problem}")
 
 
 def check_launch(config: EngineConfig, config_path: str, overrides: list[str], hardware: Hardware) -> None:

@@ -91,4 +91,18 @@ if ! "$PYTHON" -c "import deepspeed" 2>/dev/null; then
 fi
 
 pip_install --no-build-isolation -e ".[dev]"
+
+# libaio's headers, which DeepSpeed's async_io op builds against for NVMe offload (ZeRO-Infinity):
+# installed where this user can (root and apt, and not offline); elsewhere one line says how. The op
+# itself is built by a run's pre-flight, once per node, only when a config swaps to NVMe.
+if [[ ! -e /usr/include/libaio.h ]]; then
+  if [[ $EUID -eq 0 && -z $WHEELHOUSE ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing libaio-dev (NVMe offload)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q libaio-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libaio-dev >/dev/null; } ||
+      echo "setup: could not install libaio-dev; NVMe offload needs it (apt-get install libaio-dev)" >&2
+  else
+    echo "setup: NVMe offload needs libaio's headers: apt-get install libaio-dev (or dnf install libaio-devel) as root"
+  fi
+fi
 "$PYTHON" -c "import torch, deepspeed, transformers, datasets, accelerate; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, datasets {datasets.__version__}, accelerate {accelerate.__version__}')"

@@ -19,17 +19,23 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import (
+    FP32_FLAT_GROUPS,
+    LOSS_SCALER,
+    OPTIMIZER_STATE_DICT,
+    UNIVERSAL_CHECKPOINT_INFO,
+)
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from engine.backends.base import Backend, BackendSettings, Batch, to_device
+from engine.backends.cpu_adam_steps import replay_cpu_adam_steps
 from engine.backends.fp16_loss_scale import Fp16WithoutZero, fp16_without_zero
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
 from engine.backends.zero_checks import defer_norm_checks
 from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter
+from engine.checkpoints.nvme import fp32_state_dict
 from engine.checkpoints.universal import (
     UNIVERSAL_FOLDER,
     canonical_names,
@@ -194,6 +200,9 @@ class DeepSpeedEngineBackend(Backend):
         path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
+        if self.engine.zero_nvme_offload_optimizer() and not self.engine.load_universal_checkpoint():
+            _load_nvme_optimizer_states(self.engine, checkpoint_dir, tag)
+        replay_cpu_adam_steps(self.engine.optimizer)
         restore_group_settings(self.engine.optimizer, settings, self.engine.lr_scheduler)
         if hasattr(self.engine.optimizer, "clip_grad"):
             # DeepSpeed's optimizers restore the clipping they were saved with, too.
@@ -275,6 +284,58 @@ class DeepSpeedEngineBackend(Backend):
     def loss_scale(self) -> float | None:
         # Every DeepSpeed fp16 optimizer (ZeRO or not) exposes its scaler's current scale so.
         return float(self.engine.optimizer.loss_scale) if self.engine.fp16_enabled() else None
+
+
+def _load_nvme_optimizer_states(engine: Any, checkpoint_dir: Path, tag: str) -> None:
+    """What DeepSpeed 0.19.8's `load_checkpoint` leaves out under NVMe optimizer offload: it copies the
+    saved swap files back (`offloaded_tensors`) and skips `_load_zero_checkpoint` (engine.py), so the
+    optimizer's own state (each Adam step count, and every sub-group too small to swap, masters and
+    moments, which live in host memory) stays as the fresh run made it, and the resumed losses drift.
+
+    The rank's ZeRO state is loaded here the way ZeRO-3's `_rigid_load_state_dict` loads it, in an
+    order that also serves parameters on NVMe: that method copies each restored master into its
+    sub-group's flat parameter buffer, which a sub-group whose parameters live on NVMe does not have
+    (None). Here the masters kept in memory are restored first, then every sub-group goes through
+    the optimizer's own step epilogue (`_reassign_or_swap_out_partitioned_parameters`), which copies
+    the master into the parameters or writes it to their swap files, after the swapped sub-groups'
+    masters and moments are read from the files just copied back. A swapped sub-group's moments were
+    saved as empty tensors, and the swapper registers a state tensor again only if it is large
+    enough to swap (optimizer_utils.py `_get_state_tensors`), so each comes in as an uninitialised
+    tensor of the sub-group's size, filled from its file on the first swap-in; left empty,
+    DeepSpeed's CPU Adam would step on zero-size moments (a segmentation fault)."""
+    optimizer = engine.optimizer
+    saved = engine._get_all_zero_checkpoints(str(checkpoint_dir), tag)
+    if saved is None:
+        raise FileNotFoundError(f"{checkpoint_dir / tag} holds no ZeRO optimizer states")
+    mine = saved[dist.get_rank(group=optimizer.dp_process_group)]
+    swapper = optimizer.optimizer_swapper
+    states = mine[OPTIMIZER_STATE_DICT]["state"]
+    for index, master in enumerate(optimizer.fp32_partitioned_groups_flat):
+        info = swapper.swap_params_info.get(swapper.parameter_id(master))
+        for key, value in states.get(index, {}).items():
+            if info is not None and torch.is_tensor(value) and value.numel() == 0:
+                states[index][key] = torch.empty(info.numel(), dtype=value.dtype)
+    optimizer.checkpoint_event_prologue()
+    optimizer.loss_scaler = mine[LOSS_SCALER]
+    optimizer.dynamic_loss_scale = mine["dynamic_loss_scale"]
+    optimizer.overflow = mine["overflow"]
+    optimizer._set_fp32_optimizer_param_groups()
+    optimizer.optimizer.load_state_dict(mine[OPTIMIZER_STATE_DICT])
+    optimizer._clear_fp32_optimizer_param_groups()
+    swapper.purge_state()
+    for master, kept in zip(optimizer.fp32_partitioned_groups_flat, mine[FP32_FLAT_GROUPS], strict=True):
+        if kept.numel():
+            master.data.copy_(kept.data)
+    timers: set[str] = set()
+    optimizer._partition_all_parameters()
+    for index in range(len(optimizer.fp16_groups)):
+        optimizer._prepare_sub_group(index, timers)
+        optimizer._reassign_or_swap_out_partitioned_parameters(index)
+        optimizer._release_sub_group(index, timers)
+    optimizer._post_step(timers)
+    if optimizer.persistent_parameters:
+        optimizer.persistent_parameters[0].partition(optimizer.persistent_parameters)
+    optimizer.checkpoint_event_epilogue()
 
 
 def _mend_zero3_universal_load(optimizer: Any, decays: list[float]) -> None:
@@ -392,8 +453,9 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
 
     def _read_checkpoint(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
         if self._zero_stage >= 1:
-            # ZeRO keeps the fp32 master weights in the optimizer partitions of every rank.
-            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+            # ZeRO keeps the fp32 master weights in the optimizer partitions of every rank (or, swapped to
+            # NVMe, in the checkpoint's copies of the swap files).
+            return fp32_state_dict(checkpoint_dir / tag)
         states = torch.load(checkpoint_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         weights = {name: t.float() if t.is_floating_point() else t for name, t in states["module"].items()}
         if self._mixed_precision:

@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from engine.backends.base import Backend, BackendSettings, StepHooks
 from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
+from engine.backends.nvme_prefetch import deduplicate_nvme_swap_in
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
@@ -67,6 +68,8 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, int]:
         from engine.backends.accelerate_backend import AccelerateBackend
 
         return AccelerateBackend(family.build(settings.model_fields), settings), torch.distributed.get_rank()
+    if settings.deepspeed_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+        deduplicate_nvme_swap_in()
     partitioned = settings.zero_stage == 3 and family.builds_partitioned
     with partitioned_build(settings.deepspeed_config) if partitioned else nullcontext():
         model = family.build(settings.model_fields)

@@ -229,8 +229,10 @@ def _model_aliases(model: type[BaseModel], section: tuple[str, ...]) -> Iterator
 
 def aliases() -> list[Alias]:
     """Every alias DeepSpeed's models declare, plus the top-level `bfloat16` (DeepSpeed reads it
-    where `bf16` is absent, deepspeed/runtime/precision_config.py)."""
-    found = [Alias((), BFLOAT16_OLD, BFLOAT16)]
+    where `bf16` is absent, deepspeed/runtime/precision_config.py) and `aio.thread_count`, the older
+    name of `intra_op_parallelism` that DeepSpeed 0.19.8 no longer reads (runtime/swap_tensor/
+    aio_config.py): written by the documents, silently ignored there, read here as its successor."""
+    found = [Alias((), BFLOAT16_OLD, BFLOAT16), Alias(("aio",), "thread_count", "intra_op_parallelism")]
     for key, model in MODEL_SECTIONS.items():
         found.extend(_model_aliases(model, (key,)))
     for key, model in TIMER_SECTIONS.items():

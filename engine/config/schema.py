@@ -535,8 +535,27 @@ def _feature(description: str) -> dict:
     return {"type": "object", "description": description}
 
 
+# deepspeed/runtime/swap_tensor/constants.py: what DeepSpeed's NVMe swapper reads, with its defaults.
+_AIO = _object(
+    "DeepSpeed's asynchronous I/O (libaio), through which ZeRO-Infinity swaps parameters and optimizer states "
+    "to offload_*.nvme_path. Only tensors of at least max(1 MiB, block_size) are swapped; smaller ones stay in "
+    "host memory.",
+    {
+        "block_size": _integer("Bytes per I/O request.", 1_048_576, minimum=1),
+        "queue_depth": _integer("I/O requests in flight per thread.", 8, minimum=1),
+        "intra_op_parallelism": _integer(
+            "Threads that split each read or write (DeepSpeed's older name, thread_count, is read as this).",
+            1,
+            minimum=1,
+        ),
+        "single_submit": _boolean("Submit requests one at a time instead of in batches.", False),
+        "overlap_events": _boolean("Overlap submitting requests with waiting for finished ones.", True),
+        "use_gds": _boolean("NVIDIA GPUDirect Storage: GPU memory to NVMe without the host (needs its driver).", False),
+    },
+)
+
 _FEATURES = {
-    "aio": _feature("DeepSpeed's asynchronous I/O for NVMe offload."),
+    "aio": _AIO,
     "autotuning": _feature("DeepSpeed's autotuner, run by `deepspeed --autotuning`."),
     "data_efficiency": _feature("DeepSpeed's data efficiency: curriculum learning and random-LTD through its sampler."),
     "expert_parallel": _feature("DeepSpeed's automatic expert parallelism for mixture-of-experts models."),

@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, str] = {
     "weight_quantization": "post-training weight quantization is for inference; the engine trains",
     "datastates_ckpt": "DataStates-LLM needs its own package; the engine's checkpoints are written by DeepSpeed and "
     "published atomically (engine/checkpoints)",
-    "aio": "it tunes NVMe offload, which the engine does not run",
 }
 
 # What the accelerate backend reads of the DeepSpeed keys (engine/backends/accelerate_backend.py,
@@ -71,14 +70,7 @@ def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
         on = value.get("enabled", True) is not False if isinstance(value, dict) else value is not None
         if key in document and on:
             yield ConfigIssue(key, f"valid DeepSpeed, but not supported by this engine: {reason}")
-    zero = document["zero_optimization"]
-    for section in ("offload_optimizer", "offload_param"):
-        if zero[section]["device"] == "nvme":
-            yield ConfigIssue(
-                f"zero_optimization.{section}.device",
-                "NVMe offload is not supported by this engine: it needs DeepSpeed's async_io op and a local NVMe "
-                'path, and the engine\'s memory plan counts host memory only; use "cpu"',
-            )
+    yield from _nvme_issues(document)
     pipelined = document["parallel"]["pipeline_parallel_size"] > 1
     if "pipeline" in document and not pipelined:
         yield ConfigIssue(
@@ -94,6 +86,41 @@ def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
             "through model.activation_checkpointing (torch's checkpoint, which has none of these options)",
         )
     yield from _writer_issues(document.get("checkpoint", {}).get("writer"), document["trainer"]["async_save"])
+
+
+def _nvme_issues(document: dict) -> Iterator[ConfigIssue]:
+    """ZeRO-Infinity's NVMe offload where DeepSpeed would not honour it as written. DeepSpeed swaps to
+    NVMe under ZeRO-3 only ("NVMe offloading is available only with ZeRO stage 3", its config
+    reference): at stages 1 and 2 it takes `device: "nvme"` as CPU offload and says nothing
+    (runtime/zero/stage_1_and_2.py reads only whether the device is not "none"), so a run sized for
+    NVMe fills host memory instead. The swap folder is DeepSpeed's to name inside `nvme_path`,
+    which has no default: without it the swapper fails after every process group has started."""
+    zero = document["zero_optimization"]
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero[section]
+        if offload["device"] != "nvme":
+            continue
+        if zero["stage"] != 3:
+            yield ConfigIssue(
+                f"zero_optimization.{section}.device",
+                f"DeepSpeed offloads to NVMe under ZeRO stage 3 only; at stage {zero['stage']} it would keep the "
+                "optimizer states in host memory instead, saying nothing. Set zero_optimization.stage to 3 (with "
+                'offload_param.device "none" the parameters stay on the device) or use "cpu"',
+            )
+        # swap_tensor/partitioned_optimizer_swapper.py `swap_in_optimizer_state`: one buffer for the
+        # master, one per moment and one for the gradient, or the swap-in finds no buffer and fails.
+        moments = 2 if document["optimizer"]["type"] in ("Adam", "AdamW") else 1
+        if section == "offload_optimizer" and offload.get("buffer_count", 4) < 2 + moments:
+            yield ConfigIssue(
+                "zero_optimization.offload_optimizer.buffer_count",
+                f"{offload['buffer_count']} is too few: DeepSpeed swaps each sub-group's master, "
+                f"{moments} optimizer state(s) and gradient through one buffer each; use at least {2 + moments}",
+            )
+        if not offload.get("nvme_path"):
+            yield ConfigIssue(
+                f"zero_optimization.{section}.nvme_path",
+                'required with device "nvme": a folder on a local NVMe drive, where DeepSpeed writes its swap files',
+            )
 
 
 def _writer_issues(writer: dict | None, async_save: bool) -> Iterator[ConfigIssue]:
@@ -121,6 +148,13 @@ def backend_issues(given: dict, document: dict) -> Iterator[ConfigIssue]:
     the accelerate backend runs it: DeepSpeed would act on them, accelerate never reads them."""
     if effective_backend(document["trainer"]["backend"]) != "accelerate":
         return
+    for section in ("offload_optimizer", "offload_param"):
+        if document["zero_optimization"][section]["device"] == "nvme":
+            yield ConfigIssue(
+                f"zero_optimization.{section}.device",
+                "\"nvme\" is DeepSpeed's ZeRO-Infinity; torch's FSDP under the accelerate backend offloads to host "
+                'memory only: use "cpu", or train on the DeepSpeed backend (trainer.backend "deepspeed")',
+            )
     for path, value in _leaves({key: value for key, value in given.items() if key in DEEPSPEED_PROPERTIES}, ()):
         if any(path[: len(honoured)] == honoured for honoured in ACCELERATE_HONOURS):
             continue

@@ -41,6 +41,7 @@ class _Op:
     builder: str  # DeepSpeed's builder class (deepspeed/ops/op_builder/), as its accelerator names it
     avoid: str  # the config change that needs no build ("" where there is none)
     optional: bool = False  # DeepSpeed does without it where its builder is not compatible
+    needs: str = ""  # what to install where DeepSpeed's compatibility check fails
 
 
 OPS: dict[str, _Op] = {
@@ -50,7 +51,12 @@ OPS: dict[str, _Op] = {
     "fused_adam": _Op(
         "FusedAdamBuilder", "set optimizer.params.torch_adam=true (torch's fused AdamW, the same update)"
     ),
-    "async_io": _Op("AsyncIOBuilder", "drop checkpoint.writer (DeepSpeed's FastPersist writes through async_io)"),
+    "async_io": _Op(
+        "AsyncIOBuilder",
+        'set zero_optimization.offload_*.device to "cpu" and drop checkpoint.writer (NVMe offload and FastPersist '
+        "write through async_io)",
+        needs="install libaio with its headers (apt-get install libaio-dev, dnf install libaio-devel)",
+    ),
     "quantizer": _Op("QuantizerBuilder", "turn zero_optimization.zero_quantized_* off"),
     # DeepSpeed's CPU communication backend, built in init_distributed where its builder is compatible.
     "deepspeed_shm_comm": _Op("ShareMemCommBuilder", "", optional=True),
@@ -224,7 +230,9 @@ def _causes(name: str, builder: Any, capabilities: list[tuple[int, int]]) -> lis
             causes.append((str(error), _arch_fix(capabilities)))
     if not causes and not _compatible(builder):
         detail = f": {builder.error_log}" if builder.error_log else ""
-        causes.append((f"DeepSpeed's {type(builder).__name__} reports it cannot be built here{detail}", ""))
+        causes.append(
+            (f"DeepSpeed's {type(builder).__name__} reports it cannot be built here{detail}", OPS[name].needs)
+        )
     return causes
 
 

@@ -22,7 +22,16 @@ from engine.plan.estimate import (
     tensor_parallel_bytes,
 )
 from engine.plan.shapes import stage_numels, unique_parameters
-from engine.plan.states import OptimizerKind, StateBytes, ZeroSettings, accelerate_state_bytes, state_bytes
+from engine.plan.states import (
+    AIO_ALIGNED_BYTES,
+    MIN_AIO_BYTES,
+    OptimizerKind,
+    StateBytes,
+    SwapSettings,
+    ZeroSettings,
+    accelerate_state_bytes,
+    state_bytes,
+)
 from models import get_family
 from models.costs import PlanShape
 
@@ -78,19 +87,29 @@ class Plan:
         return max(rank.device for rank in self.ranks)
 
     def host_bytes(self, rank: RankPlan) -> int:
-        """What one rank holds in host memory on its own: its offloaded states and its private data,
-        and where the device is the host, everything else as well (offload then moves states
-        within one memory, and ZeRO-3's offloaded gradients are a second copy in it)."""
-        held = rank.states.total + rank.activations if self.one_pool else rank.states.offloaded
-        return held + (self.data.private if self.data else 0)
+        """What one rank holds in host memory on its own: its offloaded states, its NVMe swap
+        buffers and its private data, and where the device is the host, everything else as well
+        (offload then moves states within one memory, and ZeRO-3's offloaded gradients are a second
+        copy in it). What lives on NVMe is in none of them."""
+        states = rank.states
+        held = states.total + rank.activations if self.one_pool else states.offloaded
+        return held + states.host_buffers + (self.data.private if self.data else 0)
+
+    @property
+    def nodes(self) -> list[list[RankPlan]]:
+        size = self.ranks_per_node
+        return [self.ranks[start : start + size] for start in range(0, len(self.ranks), size)]
 
     @property
     def host_total(self) -> int:
         """The host memory of the busiest node: its ranks' own bytes, and the data's shared pages once."""
-        size = self.ranks_per_node
-        nodes = [self.ranks[start : start + size] for start in range(0, len(self.ranks), size)]
         shared = self.data.shared if self.data else 0
-        return shared + max(sum(self.host_bytes(rank) for rank in node) for node in nodes)
+        return shared + max(sum(self.host_bytes(rank) for rank in node) for node in self.nodes)
+
+    @property
+    def nvme_total(self) -> int:
+        """The swap files the busiest node's ranks write, over all their nvme_paths."""
+        return max(sum(rank.states.nvme for rank in node) for node in self.nodes)
 
     @property
     def communication(self) -> int:
@@ -108,17 +127,62 @@ def optimizer_kind(config: EngineConfig) -> OptimizerKind:
     return OptimizerKind(moments=2, torch_step=torch_adam)
 
 
-def zero_settings(config: EngineConfig) -> ZeroSettings:
+def zero_settings(config: EngineConfig, accelerator: bool) -> ZeroSettings:
+    """What the state rules read of the config; `accelerator`: the ranks have a device besides the host."""
     zero = config.document["zero_optimization"]
+    param, optimizer = zero["offload_param"], zero["offload_optimizer"]
+    swapped = swap_paths(config)
+    aio = config.document.get("aio", {})
     return ZeroSettings(
         stage=config.zero_stage,
         precision=config.precision,
-        offload_optimizer=zero["offload_optimizer"]["device"] != "none",
-        offload_param=zero["offload_param"]["device"] != "none",
+        offload_optimizer=optimizer["device"] != "none",
+        offload_param=param["device"] != "none",
         persistence_threshold=zero["stage3_param_persistence_threshold"],
         sub_group_size=zero["sub_group_size"],
         pipeline=parallel_layout(config).pipeline > 1,
+        nvme_param="offload_param" in swapped,
+        nvme_optimizer="offload_optimizer" in swapped,
+        # Derived as the swappers derive them (swap_tensor/partitioned_param_swapper.py
+        # `_configure_aio`, optimizer_utils.py `OptimizerSwapper`), with the defaults of
+        # zero/offload_config.py and swap_tensor/constants.py.
+        swap=SwapSettings(
+            min_aio_bytes=max(MIN_AIO_BYTES, aio.get("block_size", 1048576)),
+            aligned_bytes=AIO_ALIGNED_BYTES * aio.get("intra_op_parallelism", 1),
+            gds=bool(aio.get("use_gds", False)),
+            param_buffer_count=param.get("buffer_count", 5),
+            param_buffer_size=int(param.get("buffer_size", 10**8)),
+            max_in_cpu=int(param.get("max_in_cpu", 10**9)),
+            optimizer_buffer_count=optimizer.get("buffer_count", 4),
+        ),
+        accelerator=accelerator,
     )
+
+
+def swap_paths(config: EngineConfig) -> dict[str, str]:
+    """The offload sections that swap to NVMe ("offload_param", "offload_optimizer"), each with its
+    nvme_path as the config writes it. DeepSpeed swaps under ZeRO-3 only: stages 1 and 2 take
+    "nvme" as host memory (zero/stage_1_and_2.py reads only whether the device is "none")."""
+    if config.zero_stage != 3:
+        return {}
+    zero = config.document["zero_optimization"]
+    sections = ("offload_param", "offload_optimizer")
+    return {section: zero[section]["nvme_path"] for section in sections if zero[section]["device"] == "nvme"}
+
+
+def nvme_bytes(plan: Plan) -> dict[str, int]:
+    """Each nvme_path of the plan's config, as written there, with the bytes of the swap files that
+    the node writing most there writes (the parameters' and the optimizer's folders may be one):
+    what its drive must have free before launch."""
+    paths = swap_paths(plan.config)
+
+    def written(rank: RankPlan, path: str) -> int:
+        states = rank.states
+        parameters = states.nvme_parameter if paths.get("offload_param") == path else 0
+        optimizer = states.nvme_optimizer + states.nvme_gradient if paths.get("offload_optimizer") == path else 0
+        return parameters + optimizer
+
+    return {path: max(sum(written(rank, path) for rank in node) for node in plan.nodes) for path in paths.values()}
 
 
 def settled(config: EngineConfig) -> EngineConfig:
@@ -160,7 +224,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     numels, parts, model = stage_numels(config, family)
     # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
     shapes = [tuple(p.shape) for p in unique_parameters([model]) if p.requires_grad]
-    zero, optimizer = zero_settings(config), optimizer_kind(config)
+    zero, optimizer = zero_settings(config, hardware.device_type != "cpu"), optimizer_kind(config)
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
     element = 4 if config.compute_precision == "fp32" else 2

@@ -9,28 +9,33 @@ from dataclasses import dataclass
 from engine.config import ConfigError, EngineConfig
 from engine.launch.hardware import Hardware
 from engine.plan.data import DataSizes
-from engine.plan.planner import Plan, format_bytes, plan_run
+from engine.plan.planner import Plan, format_bytes, nvme_bytes, plan_run, swap_paths, zero_settings
+from engine.plan.states import StateBytes
 from models import get_family
 
 
 def table(plan: Plan) -> str:
     """Where the device is the host (`plan.one_pool`), the last memory column is everything a rank
-    holds, under "host", rather than what sits on a device."""
+    holds, under "host", rather than what sits on a device. An "nvme" column, the swap files each
+    rank writes, appears only where some rank writes them."""
     config = plan.config
     memory = "host" if plan.one_pool else "device"
+    swapping = plan.nvme_total > 0
+    nvme_header = f" {'nvme':>12}" if swapping else ""
     lines = [
         f"{config.model.family} {config.model.preset} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
         f"{config.precision_label}, {config.trainer.backend} backend; optimizer states per rank: {plan.adam_share}",
         f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-        f"{'offloaded':>12} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
+        f"{'offloaded':>12}{nvme_header} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
     ]
     for rank in plan.ranks:
         states = rank.states
         held = plan.host_bytes(rank) if plan.one_pool else rank.device
+        nvme = f" {format_bytes(states.nvme):>12}" if swapping else ""
         lines.append(
             f"{rank.rank:>4} {rank.where.stage:>5} {rank.where.tensor:>3} {rank.where.data:>3} "
             f"{format_bytes(states.parameter):>12} {format_bytes(states.gradient):>12} "
-            f"{format_bytes(states.optimizer):>12} {format_bytes(states.offloaded):>12} "
+            f"{format_bytes(states.optimizer):>12} {format_bytes(states.offloaded):>12}{nvme} "
             f"{format_bytes(rank.activations):>13} {format_bytes(held):>12} "
             f"{format_bytes(rank.communication.total):>12}"
         )
@@ -48,6 +53,8 @@ def table(plan: Plan) -> str:
         f"communication by ring collectives; pipeline bubble {plan.bubble:.1%}"
     )
     lines.append(data_line(plan))
+    if swap_paths(config):
+        lines.append(nvme_line(plan))
     if plan.one_pool:
         lines.append(
             "no accelerator here, so the device is the host: each rank's model states (offloaded or not), "
@@ -79,9 +86,22 @@ def data_line(plan: Plan) -> str:
     return f"data: {private}; {shared}"
 
 
+def nvme_line(plan: Plan) -> str:
+    """ZeRO-Infinity's NVMe offload: what the nvme column counts and what the swappers hold in host memory."""
+    written = ", ".join(f"{format_bytes(size)} under {path}" for path, size in nvme_bytes(plan).items())
+    buffers = max(rank.states.host_buffers for rank in plan.ranks)
+    swap = zero_settings(plan.config, not plan.one_pool).swap
+    return (
+        f"nvme: the swap files each rank writes (the parameters, gradients and optimizer columns count only what "
+        f"stays in memory); {_node(plan)} write {written}; only tensors of at least "
+        f"{format_bytes(swap.min_aio_bytes)} are swapped; each rank page-locks up to {format_bytes(buffers)} of "
+        "host memory for swap buffers"
+    )
+
+
 def verdict(plan: Plan, device_memory: int | None, host_memory: int | None) -> tuple[bool, str]:
     """Whether the busiest rank fits the device and the busiest node's host memory holds its ranks'
-    offloaded states and data. Without an accelerator there is one memory, the host's, and a device
+    offloaded states, NVMe swap buffers and data. Without an accelerator there is one memory, the host's, and a device
     budget would be a second one that does not exist: ValueError."""
     if plan.one_pool and device_memory is not None:
         raise ValueError(
@@ -91,7 +111,8 @@ def verdict(plan: Plan, device_memory: int | None, host_memory: int | None) -> t
     if plan.one_pool:
         host = f"for {_node(plan)} (one pool: model states, activations and data)"
     else:
-        host = f"for {_node(plan)} (offloaded states" + (" and data)" if plan.data else ")")
+        buffers = ", NVMe swap buffers" if any(rank.states.host_buffers for rank in plan.ranks) else ""
+        host = f"for {_node(plan)} (offloaded states{buffers}" + (" and data)" if plan.data else ")")
     budgets = [
         ("device", "on the busiest rank", plan.device_peak, device_memory),
         ("host", host, plan.host_total, host_memory),
@@ -131,12 +152,54 @@ def explain(plan: Plan) -> str:
             f"rank {rank.rank}: stage {where.stage + 1} of {stages} ({rank.layers}), TP shard {where.tensor + 1} of "
             f"{tensor}, data-parallel replica {where.data + 1} of {data}, holds {plan.adam_share} of the optimizer "
             f"states: parameters {format_bytes(states.parameter)}, gradients {format_bytes(states.gradient)}, "
-            f"optimizer {format_bytes(states.optimizer)}{host}; activations about {format_bytes(rank.activations)}; "
-            f"sends about {format_bytes(rank.communication.total)} per step"
+            f"optimizer {format_bytes(states.optimizer)}{host}{_nvme_clause(plan, rank.states)}; activations about "
+            f"{format_bytes(rank.activations)}; sends about {format_bytes(rank.communication.total)} per step"
             + "".join(f", {name} {format_bytes(size)}" for name, size in rank.communication.data_parallel.items())
         )
     lines.append(data_line(plan))
+    if swap_paths(config):
+        lines.append(_nvme_rules(plan))
     return "\n".join(lines)
+
+
+def _nvme_clause(plan: Plan, states: StateBytes) -> str:
+    """What one rank swaps to NVMe, by state and folder, and the host memory its swappers lock."""
+    paths = swap_paths(plan.config)
+    if not paths:
+        return ""
+    swapped = [
+        ("parameter partitions", states.nvme_parameter, paths.get("offload_param")),
+        ("fp32 master weights and optimizer moments", states.nvme_optimizer, paths.get("offload_optimizer")),
+        ("fp32 gradients", states.nvme_gradient, paths.get("offload_optimizer")),
+    ]
+    written = ", ".join(f"{name} {format_bytes(size)} under {path}" for name, size, path in swapped if size)
+    on_nvme = f"writes to NVMe {written}" if written else "writes nothing to NVMe (no tensor is large enough)"
+    memories = (("host", states.host_buffers), ("device", states.device_buffers))
+    locked = " and ".join(f"{format_bytes(size)} of {memory} memory" for memory, size in memories if size)
+    return f"; {on_nvme}" + (f", and holds {locked} in swap buffers" if locked else "")
+
+
+def _nvme_rules(plan: Plan) -> str:
+    """DeepSpeed's rules behind the NVMe figures, with this config's numbers."""
+    zero = zero_settings(plan.config, not plan.one_pool)
+    swap = zero.swap
+    rules = [
+        f"NVMe (ZeRO-Infinity): DeepSpeed swaps a tensor only from {format_bytes(swap.min_aio_bytes)} up "
+        f"(max(1 MiB, aio.block_size)), smaller ones stay in memory, and pads each file to a multiple of "
+        f"{format_bytes(swap.aligned_bytes)} (1 KiB per I/O thread)"
+    ]
+    if zero.nvme_param:
+        rules.append(
+            "it writes every swappable parameter partition at start-up and then reads back into host memory, for "
+            f"good, each optimizer sub-group that fits offload_param.max_in_cpu ({swap.max_in_cpu} elements per "
+            "rank): those files stay on the drive but are not read again"
+        )
+    if zero.nvme_optimizer:
+        rules.append(
+            "the optimizer swaps whole sub-groups (partitions packed in order until they reach sub_group_size, "
+            f"{zero.sub_group_size} elements): the fp32 master and moments, and the aligned part of each gradient"
+        )
+    return "; ".join(rules)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,10 @@ def test_a_two_stage_run_records_1f1b_with_the_formula_bubble(tmp_path: Path):
         events = [PipelineEvent(**event) for event in timeline["events"]]
         assert compute_order(events) == one_f_one_b_order(timeline["stage"], 2, 4)
     assert sorted(timeline["stage"] for timeline in document["ranks"]) == [0, 1]
-    assert document["measured_bubble"] == pytest.approx(0.2, rel=0.1), document["measured_bubble"]
+    # The measured bubble replays the recorded order with each stage's own pass times, so it moves with
+    # how the two stages' costs compare on a busy machine (0.20 to 0.23 seen on 2 cores): the band keeps
+    # it near the formula's 0.20 and far from 0.5, where two stages that never overlapped would be.
+    assert 0.15 <= document["measured_bubble"] <= 0.3, document["measured_bubble"]
     assert "pipeline bubble: measured" in run.stdout and "(p-1)/(m+p-1) = 0.20 (p=2, m=4)" in run.stdout
     assert {"time_forward_s", "time_backward_s", "time_communication_s"} <= run.records[-1].keys()
     assert_monitor_holds(run.output_dir, "loss")

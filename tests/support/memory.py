@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.plan import plan_run
+from engine.plan import Plan, plan_run
 from tests.support.launch import Run, _text
 
 EXACT_KEYS = {"parameter_bytes": "parameter", "gradient_bytes": "gradient", "optimizer_bytes": "optimizer"}
 
 
-def assert_plan_matches_measured(run: Run, config: str, overrides: dict, world_size: int) -> None:
+def assert_plan_matches_measured(run: Run, config: str, overrides: dict, world_size: int) -> Plan:
     """Parameters, gradients and optimizer states of every rank, predicted on the meta device,
-    equal the bytes the rank held in the run's last logged step."""
+    equal the bytes the rank held in the run's last logged step. Returns the plan."""
     sets = [f"{key}={_text(value)}" for key, value in overrides.items()]
     hardware = detect_hardware(local_world_size=world_size)
     plan = plan_run(load_config(config, sets, world_size=world_size, hardware=hardware))
@@ -22,3 +22,4 @@ def assert_plan_matches_measured(run: Run, config: str, overrides: dict, world_s
         expected = {key: getattr(predicted.states, field) for key, field in EXACT_KEYS.items()}
         actual = {key: held[key] for key in EXACT_KEYS}
         assert actual == expected, f"rank {predicted.rank}: measured {actual}, planned {expected}"
+    return plan

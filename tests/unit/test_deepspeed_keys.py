@@ -156,9 +156,32 @@ def test_deepspeed_only_keys_left_off_or_auto_pass_under_accelerate():
         ({"hybrid_engine": {"enabled": True}}, "hybrid_engine", "valid DeepSpeed, but not supported by this engine"),
         ({"tensor_parallel": {"autotp_size": 1, "preset_model": "llama"}}, "tensor_parallel", "keep only the size"),
         (
-            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local"}}},
-            "zero_optimization.offload_param.device",
-            "NVMe offload is not supported",
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"}}},
+            "zero_optimization.offload_optimizer.device",
+            "DeepSpeed offloads to NVMe under ZeRO stage 3 only; at stage 2",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/local", "buffer_count": 3},
+                }
+            },
+            "zero_optimization.offload_optimizer.buffer_count",
+            "3 is too few: DeepSpeed swaps each sub-group's master, 2 optimizer state(s) and gradient",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            "zero_optimization.offload_param.nvme_path",
+            'required with device "nvme"',
+        ),
+        (
+            {
+                "trainer": {"backend": "accelerate"},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local"}},
+            },
+            "zero_optimization.offload_optimizer.device",
+            "torch's FSDP under the accelerate backend offloads to host memory only",
         ),
         ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type", "'Lamb' is a DeepSpeed optimizer"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing", "pipeline engine"),
