@@ -22,7 +22,7 @@ from engine.launch.hardware import detect_hardware
 from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
 from engine.launch.ops import device_capabilities, op_problems, ops_needed
 from engine.parallel.layout import parallel_layout
-from engine.prepare import RunError, check_data
+from engine.prepare import RunError, check_data, check_nvme
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +109,11 @@ def _validate(args: argparse.Namespace) -> int:
     # The DeepSpeed ops the run will build, checked (compiler, arch list) but not built.
     ops = [] if args.no_hardware_check else ops_needed(config.document, hardware.device_type)
     problems = op_problems(ops, device_capabilities()) if ops else []
+    if not args.no_hardware_check:
+        try:
+            check_nvme(config, hardware)  # this machine's nvme_path, as the run's pre-flight checks it
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         print("\n".join(problems), file=sys.stderr)
         return 2

@@ -100,7 +100,7 @@ def _nvme_issues(document: dict) -> Iterator[ConfigIssue]:
         offload = zero[section]
         if offload["device"] != "nvme":
             continue
-        if zero["stage"] != 3:
+        if zero["stage"] != 3 and section == "offload_optimizer":  # offload_param's own rule covers it
             yield ConfigIssue(
                 f"zero_optimization.{section}.device",
                 f"DeepSpeed offloads to NVMe under ZeRO stage 3 only; at stage {zero['stage']} it would keep the "
