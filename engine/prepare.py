@@ -220,7 +220,8 @@ def check_nvme(config: EngineConfig, hardware: Hardware) -> None:
         if swapped and largest > buffer_size:
             problems.append(
                 f"zero_optimization.offload_param.buffer_size: {buffer_size} elements is less than this model's "
-                f"largest parameter partition, {largest}; DeepSpeed swaps a partition through one buffer"
+                f"largest parameter partition, {largest}, which DeepSpeed swaps through one buffer: raise it to at "
+                f"least {largest}"
             )
     if problems:
         raise ValueError("NVMe offload: " + "\n  ".join(problems))

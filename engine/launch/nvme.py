@@ -61,13 +61,13 @@ def nvme_problems(document: Mapping[str, Any], node_bytes: Mapping[str, int], lo
 def _folder_problem(path: Path, needed: int) -> str | None:
     existing = next((folder for folder in (path, *path.parents) if folder.exists()), None)
     if existing is None or not existing.is_dir():
-        return f"{existing} is not a folder"
+        return f"{existing} is not a folder; choose a folder on a local drive"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user; choose a folder on a local drive it can write"
     free = shutil.disk_usage(existing).free
     if free < needed:
         return (
-            f"the drive has {_gib(free)} free and this node's ranks swap {_gib(needed)} there (python -m engine plan "
+            f"the drive has {_size(free)} free and this node's ranks swap {_size(needed)} there (python -m engine plan "
             "counts it); free space or choose a larger drive"
         )
     return _direct_io_problem(existing)
@@ -106,8 +106,8 @@ def _lock_problem(locked_bytes: int) -> str | None:
     if limit == resource.RLIM_INFINITY or limit >= locked_bytes:
         return None
     return (
-        f"each rank page-locks {_gib(locked_bytes)} of swap buffers for NVMe offload and `ulimit -l` allows "
-        f"{_gib(limit)}: raise it (ulimit -l unlimited; memlock in /etc/security/limits.conf, or the container's "
+        f"each rank page-locks {_size(locked_bytes)} of swap buffers for NVMe offload and `ulimit -l` allows "
+        f"{_size(limit)}: raise it (ulimit -l unlimited; memlock in /etc/security/limits.conf, or the container's "
         "--ulimit memlock=-1), or lower offload_param.buffer_count/buffer_size, offload_optimizer.buffer_count or "
         "zero_optimization.sub_group_size"
     )
@@ -122,5 +122,8 @@ def _may_lock_without_limit() -> bool:
     return bool(int(effective, 16) >> _CAP_IPC_LOCK & 1)
 
 
-def _gib(count: float) -> str:
-    return f"{count / 2**30:.2f} GiB"
+def _size(count: float) -> str:
+    """`count` bytes as `python -m engine plan` prints them: a 64 KiB `ulimit -l` is no "0.00 GiB"."""
+    from engine.plan import format_bytes  # the planner, loaded already where a run swaps to NVMe
+
+    return format_bytes(count)

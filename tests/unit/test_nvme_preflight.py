@@ -43,12 +43,14 @@ def swapping(param_path: Path | None, optimizer_path: Path | None = None) -> dic
     return {"zero_optimization": sections}
 
 
-def nvme_config(directory: Path, n_embd: int = 32, buffer_size: int = 2_000_000, **sections: dict) -> EngineConfig:
-    """The tiny GPT at two ranks under ZeRO-3 with parameters and optimizer states swapped to
-    `directory`/swap, in fp32 unless `sections` says otherwise."""
+def nvme_config(
+    directory: Path, n_embd: int = 32, buffer_size: int = 2_000_000, swap: Path | None = None, **sections: dict
+) -> EngineConfig:
+    """The tiny GPT at two ranks under ZeRO-3 with parameters and optimizer states swapped to `swap`
+    (`directory`/swap unless given), in fp32 unless `sections` says otherwise."""
     zero = copy.deepcopy(ZERO3_NVME)
     for section in ("offload_param", "offload_optimizer"):
-        zero[section]["nvme_path"] = str(directory / "swap")
+        zero[section]["nvme_path"] = str(swap or directory / "swap")
     zero["offload_param"]["buffer_size"] = buffer_size
     document = tiny_gpt(zero_optimization=zero, **sections)
     # The vocabulary `prepare` settles from the tokenizer before it checks the folders.
@@ -70,7 +72,8 @@ def test_a_path_under_a_regular_file_is_refused_naming_the_key_the_path_and_the_
     file = tmp_path / "swap"
     file.write_text("not a folder")
     path = file / "params"
-    assert nvme_problems(swapping(path), {str(path): MIB}, 0) == [f"{PARAM} '{path}': {file} is not a folder"]
+    expected = f"{PARAM} '{path}': {file} is not a folder; choose a folder on a local drive"
+    assert nvme_problems(swapping(path), {str(path): MIB}, 0) == [expected]
 
 
 def test_a_drive_without_room_for_the_swap_files_is_refused_with_both_sizes(tmp_path: Path):
@@ -137,10 +140,10 @@ def test_parameters_and_optimizer_states_sharing_a_path_are_one_message_naming_b
     """The configs write one drive for both, as DeepSpeed's examples do; it is one folder to fix."""
     file = tmp_path / "swap"
     file.write_text("not a folder")
-    config = nvme_config(file)
     path = file / "swap"
+    config = nvme_config(tmp_path, swap=path)
     assert nvme_problems(config.document, {str(path): MIB}, 0) == [
-        f"{PARAM} and {OPTIMIZER} '{path}': {file} is not a folder"
+        f"{PARAM} and {OPTIMIZER} '{path}': {file} is not a folder; choose a folder on a local drive"
     ]
 
 
@@ -149,16 +152,14 @@ def test_parameters_and_optimizer_states_sharing_a_path_are_one_message_naming_b
 # in fp32, above DeepSpeed's smallest swap (1 MiB), so swapped through one buffer of buffer_size elements.
 
 
-def test_a_buffer_size_below_the_largest_swapped_partition_is_refused_with_both_numbers(
-    tmp_path: Path, may_lock: None
-):
+def test_a_buffer_size_below_the_largest_swapped_partition_is_refused_with_both_numbers(tmp_path: Path, may_lock: None):
     """DeepSpeed asserts it only when it first swaps that partition in, inside the first forward."""
     config = nvme_config(tmp_path, n_embd=384, buffer_size=100_000)
     with pytest.raises(ValueError) as refused:
         check_nvme(config, CPU)
     assert str(refused.value) == (
         "NVMe offload: zero_optimization.offload_param.buffer_size: 100000 elements is less than this model's "
-        "largest parameter partition, 294912; DeepSpeed swaps a partition through one buffer"
+        "largest parameter partition, 294912, which DeepSpeed swaps through one buffer: raise it to at least 294912"
     )
 
 
@@ -207,7 +208,12 @@ AS_SAVED = (
         (False, False, False, None),
         (False, False, True, None),
         (True, False, False, f"keeps its optimizer states on NVMe and this run does not swap them; {AS_SAVED}"),
-        (False, True, False, f"keeps its optimizer states in its optimizer files and this run swaps them to NVMe; {AS_SAVED}"),
+        (
+            False,
+            True,
+            False,
+            f"keeps its optimizer states in its optimizer files and this run swaps them to NVMe; {AS_SAVED}",
+        ),
         (
             True,
             True,
