@@ -23,6 +23,7 @@ from typing import Any
 
 PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size's default (runtime/zero/offload_config.py)
 _MIN_AIO_BYTES = 2**20  # runtime/swap_tensor/utils.py MIN_AIO_BYTES: no smaller tensor is swapped
+_SWAP_FILES = "zero_stage_3/**/*.tensor.swp"  # where DeepSpeed's swappers write, inside nvme_path
 _DIRECT_IO_BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block
 _CAP_IPC_LOCK = 14  # linux/capability.h: mlock without RLIMIT_MEMLOCK's limit
 
@@ -64,7 +65,8 @@ def _folder_problem(path: Path, needed: int) -> str | None:
         return f"{existing} is not a folder; choose a folder on a local drive"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user; choose a folder on a local drive it can write"
-    free = shutil.disk_usage(existing).free
+    # A stopped run's swap files are DeepSpeed's to replace (`zero_stage_3/` inside nvme_path): room.
+    free = shutil.disk_usage(existing).free + sum(swap.stat().st_size for swap in path.glob(_SWAP_FILES))
     if free < needed:
         return (
             f"the drive has {_size(free)} free and this node's ranks swap {_size(needed)} there (python -m engine plan "

@@ -89,6 +89,16 @@ def test_a_drive_without_room_for_the_swap_files_is_refused_with_both_sizes(tmp_
     assert re.fullmatch(pattern, problem), problem
 
 
+def test_a_stopped_runs_swap_files_count_as_room(tmp_path: Path):
+    """DeepSpeed replaces the swap files under `zero_stage_3/` when the next run starts: a restart on a
+    drive the last run filled must not be refused for the space its own files take."""
+    left = tmp_path / "zero_stage_3" / "optimizer" / "rank0" / "6_10.tensor.swp"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"\0" * 2**20)
+    needed = shutil.disk_usage(tmp_path).free + 2**19
+    assert nvme_problems(swapping(None, tmp_path), {str(tmp_path): needed}, 0) == []
+
+
 def test_a_file_system_refusing_direct_io_is_refused_and_the_probe_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
