@@ -1,7 +1,11 @@
-"""Shared test set-up: GPU-marked tests skip where no CUDA device exists; nothing else skips."""
+"""Shared test set-up: GPU-marked tests skip where no CUDA device exists; nothing else skips. A
+session that will run the NVMe tests builds DeepSpeed's async_io op in the background from its start
+(tests/support/background_build.py)."""
 
 import pytest
 import torch
+
+_NVME_TESTS = "tests/launched/test_nvme_offload.py"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,6 +15,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def async_io_build(request, tmp_path_factory):
+    """The async_io op's build, started with the session where an NVMe test is selected."""
+    from tests.support.background_build import start_build, stop_build
+
+    selected = any(item.nodeid.startswith(_NVME_TESTS) for item in request.session.items)
+    process = start_build(tmp_path_factory.mktemp("async_io_build") / "build.log") if selected else None
+    yield
+    if process is not None:
+        stop_build(process)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -41,6 +41,7 @@ def test_data_benchmark_runs_end_to_end_at_tiny_sizes(tmp_path: Path, monkeypatc
     launch (the suite's earlier launches built DeepSpeed's op): every part runs and the result has
     its rows, goals and panels. No figure is asserted beyond being measured."""
     monkeypatch.setattr(data, "RUN_DIR", tmp_path / "runs")
+    monkeypatch.setattr(data, "PREPARE_REPEATS", 1)  # each preparation once: the suite times nothing
     settings = Settings(rounds=1, steps=2, log_interval=1, quality_steps=1, quality_rounds=1, threads=1)
     result = data.measure(settings, (0.2, 0.4), ranks=(1,), warm_up=False)
     assert result.failures == {}
