@@ -16,11 +16,11 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from engine.backends.base import Backend, BackendSettings, StepHooks
 from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
-from engine.backends.nvme_prefetch import deduplicate_nvme_swap_in
+from engine.backends.nvme_repairs import repair_swappers
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.parallel.layout import parallel_layout
-from engine.parallel.zero3_init import partitioned_build
+from engine.parallel.zero3_init import partition_built, partitioned_build
 from models import ModelFamily
 from models.tensor_parallel import apply_tensor_parallel
 
@@ -68,11 +68,15 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, int]:
         from engine.backends.accelerate_backend import AccelerateBackend
 
         return AccelerateBackend(family.build(settings.model_fields), settings), torch.distributed.get_rank()
-    if settings.deepspeed_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
-        deduplicate_nvme_swap_in()
+    zero = settings.deepspeed_config["zero_optimization"]
+    swaps_parameters = zero.get("offload_param", {}).get("device") == "nvme"
+    if swaps_parameters or zero.get("offload_optimizer", {}).get("device") == "nvme":
+        repair_swappers()
     partitioned = settings.zero_stage == 3 and family.builds_partitioned
     with partitioned_build(settings.deepspeed_config) if partitioned else nullcontext():
         model = family.build(settings.model_fields)
+    if swaps_parameters and not partitioned:
+        partition_built(model, settings.deepspeed_config)
     backend, data_rank = _deepspeed_backend(model, settings)
     if settings.compile:
         backend.compile()

@@ -29,3 +29,18 @@ def partitioned_build(ds_config: dict[str, Any]) -> Iterator[None]:
     finally:
         unset_hf_deepspeed_config()
         del integration
+
+
+def partition_built(model: Any, ds_config: dict[str, Any]) -> None:
+    """Partition a model built whole (a family that does not build under `zero.Init`) as DeepSpeed would
+    on `deepspeed.initialize`, in the dtype `ds_config` trains in.
+
+    DeepSpeed converts such a model with `zero.Init(module=..., dtype=<its parameters' dtype>)`, and
+    `Init._set_dtype` reads a given dtype as `(dtype or float16) if fp16 is supported else bfloat16`
+    (partition_parameters.py, an operator-precedence slip): on an accelerator without fp16, such as
+    DeepSpeed's CPU one, fp32 parameters swapped to NVMe are written and read back as bf16, and the
+    first layer fails on mixed dtypes. Without a dtype, `Init` takes the config's, and DeepSpeed then
+    finds every parameter already converted."""
+    from deepspeed import zero
+
+    zero.Init(module=model, config_dict_or_path=ds_config)

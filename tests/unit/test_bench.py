@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import data, gpu, hostcost, memory, nanogpt, optimizer_step, shakespeare, throughput
+from bench import data, gpu, hostcost, infinity, memory, nanogpt, optimizer_step, shakespeare, throughput
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.trials import Pair, Side, run_overrides
 from engine.config import load_config
@@ -67,6 +68,16 @@ LAUNCHED = [
         )
         for n, e, h in gpu.OFFLOAD_SIZES
     ),
+    *(
+        pytest.param(
+            infinity.CONFIG,
+            infinity.sized(mode, size, infinity.trial_dir(mode, size), OFFLOAD_RUN),
+            1,
+            id=f"offload-{'nvme' if mode == infinity.NVME else 'cpu'}-{size[0]}x{size[1]}",
+        )
+        for mode in (infinity.CPU_OFFLOAD, infinity.NVME)
+        for size in [infinity.TINY, *infinity.SIZES]
+    ),
 ]
 
 
@@ -78,6 +89,22 @@ def test_every_benchmark_config_validates(config: Path, sets: list[str], world_s
     hardware = detect_hardware(local_world_size=world_size)
     loaded = load_config(config, sets, world_size=world_size, hardware=hardware)
     assert loaded.trainer.output_dir
+
+
+@pytest.mark.parametrize(("mebibytes", "trains"), [(256, True), (768, False)])
+def test_capped_run_holds_the_launchers_children_and_reads_their_peak(
+    tmp_path: Path, mebibytes: int, trains: bool
+) -> None:
+    """The offload benchmark's cap is set in the launcher before it starts, so the rank it starts
+    inherits it: a child allocating beyond it fails, and the peak read from /proc is the child's."""
+    child = f"import time; block = bytearray({mebibytes} * 2**20); time.sleep(2 * {infinity.POLL_S})"
+    parent = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {child!r}]))"
+    code, peak = infinity.run_capped([sys.executable, "-c", parent], tmp_path, cap=512 * 2**20)
+    assert (code == 0) is trains, (tmp_path / "trial.log").read_text()
+    if trains:
+        assert mebibytes * 2**20 < peak <= 512 * 2**20
+    else:
+        assert "MemoryError" in (tmp_path / "trial.log").read_text()
 
 
 def test_zero_formulas_reproduce_the_papers_figure() -> None:
