@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.observability.units import format_bytes
+
 PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size's default (runtime/zero/offload_config.py)
 _MIN_AIO_BYTES = 2**20  # runtime/swap_tensor/utils.py MIN_AIO_BYTES: no smaller tensor is swapped
 _SWAP_FILES = "zero_stage_3/**/*.tensor.swp"  # where DeepSpeed's swappers write, inside nvme_path
@@ -69,8 +71,8 @@ def _folder_problem(path: Path, needed: int) -> str | None:
     free = shutil.disk_usage(existing).free + sum(swap.stat().st_size for swap in path.glob(_SWAP_FILES))
     if free < needed:
         return (
-            f"the drive has {_size(free)} free and this node's ranks swap {_size(needed)} there (python -m engine plan "
-            "counts it); free space or choose a larger drive"
+            f"the drive has {format_bytes(free)} free and this node's ranks swap {format_bytes(needed)} there "
+            "(python -m engine plan counts it); free space or choose a larger drive"
         )
     return _direct_io_problem(existing)
 
@@ -108,10 +110,10 @@ def _lock_problem(locked_bytes: int) -> str | None:
     if limit == resource.RLIM_INFINITY or limit >= locked_bytes:
         return None
     return (
-        f"each rank page-locks {_size(locked_bytes)} of swap buffers for NVMe offload and `ulimit -l` allows "
-        f"{_size(limit)}: raise it (ulimit -l unlimited; memlock in /etc/security/limits.conf, or the container's "
-        "--ulimit memlock=-1), or lower offload_param.buffer_count/buffer_size, offload_optimizer.buffer_count or "
-        "zero_optimization.sub_group_size"
+        f"each rank page-locks {format_bytes(locked_bytes)} of swap buffers for NVMe offload and `ulimit -l` allows "
+        f"{format_bytes(limit)}: raise it (ulimit -l unlimited; memlock in /etc/security/limits.conf, or the "
+        "container's --ulimit memlock=-1), or lower offload_param.buffer_count/buffer_size, "
+        "offload_optimizer.buffer_count or zero_optimization.sub_group_size"
     )
 
 
@@ -122,10 +124,3 @@ def _may_lock_without_limit() -> bool:
         return os.geteuid() == 0
     effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
     return bool(int(effective, 16) >> _CAP_IPC_LOCK & 1)
-
-
-def _size(count: float) -> str:
-    """`count` bytes as `python -m engine plan` prints them: a 64 KiB `ulimit -l` is no "0.00 GiB"."""
-    from engine.plan import format_bytes  # the planner, loaded already where a run swaps to NVMe
-
-    return format_bytes(count)

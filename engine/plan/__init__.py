@@ -7,8 +7,9 @@ tells them rank by rank and searches the layouts that fit. `nvme_bytes` is what 
 receives from a node under ZeRO-Infinity, for the checks before a launch.
 """
 
+from engine.observability.units import format_bytes
 from engine.plan.data import DataSizes, data_sizes
-from engine.plan.planner import Plan, RankPlan, format_bytes, nvme_bytes, parse_bytes, plan_run
+from engine.plan.planner import Plan, RankPlan, nvme_bytes, parse_bytes, plan_run
 from engine.plan.report import explain, suggest, table, verdict
 
 __all__ = [

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig
 from engine.launch.hardware import Hardware
+from engine.observability.units import format_bytes
 from engine.plan.data import DataSizes
-from engine.plan.planner import Plan, format_bytes, nvme_bytes, plan_run, swap_paths, zero_settings
+from engine.plan.planner import Plan, nvme_bytes, plan_run, swap_paths, zero_settings
 from engine.plan.states import StateBytes
 from models import get_family
 

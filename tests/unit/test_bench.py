@@ -97,7 +97,7 @@ def test_capped_run_holds_the_launchers_children_and_reads_their_peak(
 ) -> None:
     """The offload benchmark's cap is set in the launcher before it starts, so the rank it starts
     inherits it: a child allocating beyond it fails, and the peak read from /proc is the child's."""
-    child = f"import time; block = bytearray({mebibytes} * 2**20); time.sleep(2 * {infinity.POLL_S})"
+    child = f"import time; block = bytearray({mebibytes} * 2**20); time.sleep(2 * {infinity.LIST_S})"
     parent = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {child!r}]))"
     code, peak = infinity.run_capped([sys.executable, "-c", parent], tmp_path, cap=512 * 2**20)
     assert (code == 0) is trains, (tmp_path / "trial.log").read_text()
