@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from bench import checkpointing, data, gpu, hostcost, memory, optimizer_step, shakespeare, throughput
+from bench import checkpointing, data, gpu, hostcost, infinity, memory, optimizer_step, shakespeare, throughput
 from bench.report import REPORT, headline, load_results, store_results, write_report
 from bench.results import Result, Unavailable
 from bench.settings import Settings
@@ -24,7 +24,9 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "shakespeare": shakespeare.run,  # 3: quality and speed on tinyshakespeare
     "memory": memory.run,  # 4: model-state bytes per rank against the ZeRO formulas
     "gpu": gpu.speed,  # 5: GPT-2 124M tokens/s and MFU on one GPU
-    "offload": gpu.offload,  # 5: the largest GPT that trains on one GPU with ZeRO-Offload
+    # 5: the largest GPT that trains on one GPU with ZeRO-Offload; without a GPU, under a host-memory
+    # cap with ZeRO-3's NVMe offload against its CPU offload
+    "offload": infinity.run,
     "optimizer": optimizer_step.run,  # 6: host cost of the optimizer step, bf16 against torch_autocast
     "data": data.run,  # 7: tokenized corpora: preparation speed, launch time and memory per rank against size
     "hostcost": hostcost.run,  # 8: host reads of the device, aten operations and graph breaks per step

@@ -17,7 +17,9 @@ memory (ZeRO-Offload), bf16, activation checkpointing and micro-batch 1. The pla
 from the largest down until one trains. Its size is compared with the largest the planner fits
 on the same GPU without offload.
 
-Both need a CUDA device and report themselves unavailable without one.
+Both need a CUDA device and report themselves unavailable without one; there, `python -m bench
+offload` runs bench/infinity.py instead (ZeRO-3's NVMe offload against its CPU offload under a cap
+on host memory).
 """
 
 from __future__ import annotations
