@@ -27,7 +27,7 @@ from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
 from engine.launch.hardware import Hardware, detect_hardware
-from engine.launch.nvme import PARAM_BUFFER_SIZE, nvme_paths, nvme_problems, smallest_swap
+from engine.launch.nvme import nvme_paths, nvme_problems
 from engine.launch.ops import prepare_ops
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
@@ -206,6 +206,7 @@ def check_nvme(config: EngineConfig, hardware: Hardware) -> None:
     if not nvme_paths(config.document):
         return
     from engine.plan import nvme_bytes, plan_run  # the planner, only where a run swaps to NVMe
+    from engine.plan.planner import zero_settings
 
     plan = plan_run(config, hardware)
     problems = nvme_problems(config.document, nvme_bytes(plan), max(rank.states.host_buffers for rank in plan.ranks))
@@ -215,8 +216,10 @@ def check_nvme(config: EngineConfig, hardware: Hardware) -> None:
         with torch.device("meta"):
             sizes = [parameter.numel() for parameter in family.build(config.model.fields).parameters()]
         largest = math.ceil(max(sizes) / parallel_layout(config).data)
-        buffer_size = zero["offload_param"].get("buffer_size", PARAM_BUFFER_SIZE)
-        swapped = largest * (4 if config.precision == "fp32" else 2) >= smallest_swap(config.document)
+        # The planner's reading of the swap settings: DeepSpeed's defaults and its smallest swap.
+        swap = zero_settings(config, hardware.device_type == "cuda").swap
+        buffer_size = swap.param_buffer_size
+        swapped = largest * (4 if config.precision == "fp32" else 2) >= swap.min_aio_bytes
         if swapped and largest > buffer_size:
             problems.append(
                 f"zero_optimization.offload_param.buffer_size: {buffer_size} elements is less than this model's "

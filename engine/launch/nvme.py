@@ -23,8 +23,6 @@ from typing import Any
 
 from engine.observability.units import format_bytes
 
-PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size's default (runtime/zero/offload_config.py)
-_MIN_AIO_BYTES = 2**20  # runtime/swap_tensor/utils.py MIN_AIO_BYTES: no smaller tensor is swapped
 _SWAP_FILES = "zero_stage_3/**/*.tensor.swp"  # where DeepSpeed's swappers write, inside nvme_path
 _DIRECT_IO_BLOCK = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block
 _CAP_IPC_LOCK = 14  # linux/capability.h: mlock without RLIMIT_MEMLOCK's limit
@@ -38,11 +36,6 @@ def nvme_paths(document: Mapping[str, Any]) -> dict[str, list[str]]:
         if zero[section]["device"] == "nvme":
             paths.setdefault(str(zero[section]["nvme_path"]), []).append(f"zero_optimization.{section}.nvme_path")
     return paths
-
-
-def smallest_swap(document: Mapping[str, Any]) -> int:
-    """The bytes of the smallest tensor DeepSpeed swaps: max(1 MiB, aio.block_size)."""
-    return max(_MIN_AIO_BYTES, document.get("aio", {}).get("block_size", _MIN_AIO_BYTES))
 
 
 def nvme_problems(document: Mapping[str, Any], node_bytes: Mapping[str, int], locked_bytes: int) -> list[str]:
