@@ -20,6 +20,8 @@ setup(
         "transformers>=5.23",  # activation_checkpointing_enable (models/gpt.py)
         "datasets>=3.0",
         "accelerate>=1.0",
+        # model.lora: adapters trained, saved and loaded as the field's own library does (models/lora.py).
+        "peft>=0.21",
         "jsonschema>=4.18",
         # Configs are read as DeepSpeed reads them; engine/config/load.py uses its decoder's scanner.
         "hjson>=3.1,<4",
@@ -33,7 +35,10 @@ setup(
         # release served for Python 3.11, and its C++ helpers ship prebuilt.
         "megatron-core>=0.16.1,<0.17",
     ],
-    # pytest-xdist: `make gpu-check` runs the GPU tests eight at a time (bench/gpu_check.py).
-    extras_require={"dev": ["pytest>=8.0", "pytest-xdist>=3.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16"]},
+    # pytest-xdist: `make gpu-check` runs the GPU tests eight at a time (bench/gpu_check.py). trl: the sft
+    # benchmark's baseline (bench/trl_sft.py), one release so that its figures stay comparable.
+    extras_require={
+        "dev": ["pytest>=8.0", "pytest-xdist>=3.0", "ruff>=0.6", "pre-commit>=3.0", "wandb>=0.16", "trl==1.16.0"]
+    },
     entry_points={"console_scripts": ["dsengine=engine.cli:main"]},
 )

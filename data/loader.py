@@ -7,7 +7,7 @@ samples depend on it (image augmentation, through `sample(index, epoch)`) withou
 """
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -98,6 +98,13 @@ def stack_samples(samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 
+def collate_of(dataset: Dataset) -> Callable[[Sequence[dict[str, Tensor]]], dict[str, Tensor]]:
+    """How a micro-batch of the dataset's samples is made: stacked, or by the dataset's own `collate`
+    where its samples differ in length (one conversation each, padded: data/chat/samples.py). Only the
+    batch's shape depends on it; which samples it holds is the sampler's arithmetic alone."""
+    return getattr(dataset, "collate", stack_samples)
+
+
 def make_train_loader(
     dataset: Dataset,
     *,
@@ -126,7 +133,7 @@ def make_train_loader(
     loader = DataLoader(
         EpochKeyed(dataset),
         batch_sampler=sampler,
-        collate_fn=stack_samples,
+        collate_fn=collate_of(dataset),
         num_workers=num_workers,
         pin_memory=pin_memory,
         generator=_private_generator(),
@@ -160,7 +167,7 @@ def make_eval_loader(
     return DataLoader(
         _Cycled(dataset),
         batch_sampler=batches,
-        collate_fn=stack_samples,
+        collate_fn=collate_of(dataset),
         num_workers=num_workers,
         pin_memory=pin_memory,
         generator=_private_generator(),

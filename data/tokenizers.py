@@ -10,7 +10,10 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # transformers takes seconds to import; char and byte runs should not pay for it
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SIMPLE_TOKENIZER_FILE = "simple_tokenizer.json"
 """Written by the char and byte tokenizers; a distinct name so it never shadows HF files."""
@@ -126,7 +129,14 @@ class ByteTokenizer:
 
     def save(self, directory: Path) -> None:
         _write_simple_config(directory, {"type": "byte"})
+        self.transformers_form().save_pretrained(str(directory))
+
+    def transformers_form(self) -> "PreTrainedTokenizerFast":
+        """The same ids as a transformers fast tokenizer: what an export saves, so that
+        `AutoTokenizer.from_pretrained` gives the ids the model was trained on, and what renders a chat
+        template over byte-level chat data. No special tokens: every id is a byte."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         # GPT-2's printable stand-in for each byte, so that the vocabulary holds all 256 as text.
@@ -139,7 +149,7 @@ class ByteTokenizer:
             ]
         )
         backend.decoder = decoders.ByteLevel()
-        _save_for_transformers(directory, backend)
+        return PreTrainedTokenizerFast(tokenizer_object=backend)
 
     @property
     def fingerprint(self) -> str:
@@ -190,6 +200,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def transformers(self) -> "PreTrainedTokenizerBase":
+        """The transformers tokenizer itself: its chat template renders conversations."""
+        return self._tokenizer
 
     def save(self, directory: Path) -> None:
         self._tokenizer.save_pretrained(str(directory))

@@ -22,7 +22,7 @@ from engine.launch.hardware import detect_hardware
 from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
 from engine.launch.ops import device_capabilities, op_problems, ops_needed
 from engine.parallel.layout import parallel_layout
-from engine.prepare import RunError, check_data, check_nvme
+from engine.prepare import RunError, check_data, check_lora_targets, check_nvme
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +123,7 @@ def _validate(args: argparse.Namespace) -> int:
     else:
         sharding = f"DeepSpeed ZeRO-{config.zero_stage}"
     print(
-        f"{args.config}: valid for {args.world_size} rank(s): {config.model.family} {config.model.preset}, "
+        f"{args.config}: valid for {args.world_size} rank(s): {config.model.label}, "
         f"{sharding}, {config.precision_label}, data-parallel {config.dp_size}, "
         f"micro-batch {doc['train_micro_batch_size_per_gpu']} x accumulation {doc['gradient_accumulation_steps']} "
         f"x {config.dp_size} = {doc['train_batch_size']}"
@@ -169,17 +169,35 @@ def _plan(args: argparse.Namespace) -> int:
     hardware = detect_hardware(local_world_size=args.world_size)
 
     def load(extra: list[str]):
+        # A model.init_from directory not downloaded yet gives way to model.preset: plan before fetching weights.
         return load_config(
-            args.config, [*args.overrides, *extra], world_size=args.world_size, hardware=hardware, check_hardware=False
+            args.config,
+            [*args.overrides, *extra],
+            world_size=args.world_size,
+            hardware=hardware,
+            check_hardware=False,
+            pretrained_required=False,
         )
 
     try:
-        config, bundle = check_data(load([]))
-        data = data_sizes(bundle)
+        config = load([])
+        absent = config.model.init_from is not None and not Path(config.model.init_from).exists()
+        if absent:
+            # Its tokenizer is there too: the data cannot be read, and is not counted.
+            check_lora_targets(config)
+            data = None
+        else:
+            config, bundle = check_data(config)
+            data = data_sizes(bundle)
         plan = plan_run(config, hardware, data)
     except (ConfigError, RunError) as error:
         print(error, file=sys.stderr)
         return 2
+    if absent:
+        print(
+            f"model.init_from {config.model.init_from} is not here: planned from model.preset {config.model.preset}, "
+            "without the data, whose tokenizer it holds"
+        )
     if args.command == "explain":
         print(explain(plan))
         return 0
@@ -200,9 +218,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    """Tokenize the config's text corpus into the token cache now, rather than at the first launch."""
-    from data.text import text_paths
-    from data.tokens.prepare import prepare_text
+    """Tokenize the config's data into the token cache now, rather than at the first launch."""
+    from data.kinds import NothingToPrepare, get_kind
 
     try:
         hardware = detect_hardware()
@@ -210,23 +227,14 @@ def _prepare_data(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
-    data = config.data
-    if data.type != "text" or data.streaming:
-        what = "streams its text as it trains" if data.type == "text" else f'has data.type "{data.type}"'
-        print(f"prepare-data: {args.config} {what}: there is no text corpus to tokenize ahead", file=sys.stderr)
-        return 2
     try:
-        prepared, tokenizer = prepare_text(
-            text_paths(data.path),
-            tokenizer=data.tokenizer,
-            text_field=data.text_field,
-            cache_dir=Path(data.cache_dir),
-            timeout_s=data.cache_timeout_s,
-        )
+        print(get_kind(config.data.type).prepare_ahead(config.data.as_mapping()))
+    except NothingToPrepare as reason:
+        print(f"prepare-data: {args.config} {reason}: there is nothing to tokenize ahead", file=sys.stderr)
+        return 2
     except (ValueError, TimeoutError) as error:
         print(f"data error: {error}", file=sys.stderr)
         return 2
-    print(f"{prepared.describe()}; vocabulary {tokenizer.vocab_size}")
     return 0
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
-from data.streaming import StreamedCorpus
 from data.tokens.external import check_ids_below
 from engine.backends.optim import exempts_vectors
+from engine.checkpoints.export import base_model
 from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.nvme import resume_problem
 from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layout
@@ -33,6 +33,7 @@ from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
 from models import get_family
 from models.common import count_parameters
+from models.lora import target_problems
 
 
 class RunError(Exception):
@@ -51,7 +52,7 @@ def load_data(config: EngineConfig) -> DataBundle:
             num_classes=config.model.num_classes,
         )
         # The sampler's own check, here rather than in the first step, after every process group.
-        if not isinstance(bundle.train, StreamedCorpus):
+        if not bundle.streamed:
             batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
     except (ValueError, FileNotFoundError) as error:
         raise RunError(f"data error: {error}") from None
@@ -80,16 +81,7 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
     if bundle.vocab_size is not None:
         config = config.with_vocab_size(max(bundle.vocab_size, saved_vocab_size or 0))
         if config.model.vocab_size < bundle.vocab_size:
-            raise ConfigError(
-                [
-                    ConfigIssue(
-                        "model.vocab_size",
-                        f"{config.model.vocab_size} is smaller than the tokenizer's {bundle.vocab_size} tokens "
-                        f'(data.tokenizer "{config.data.tokenizer}"); raise it or use "auto"',
-                    )
-                ],
-                str(config.source),
-            )
+            raise ConfigError([_vocabulary_overflow(config, bundle.vocab_size)], str(config.source))
     elif saved_vocab_size is not None and configured == "auto":
         config = config.with_vocab_size(saved_vocab_size)
     if bundle.token_files:
@@ -98,6 +90,23 @@ def settle_vocabulary(config: EngineConfig, bundle: DataBundle, saved_vocab_size
         except ValueError as error:
             raise RunError(f"data error: {error}") from None
     return config
+
+
+def _vocabulary_overflow(config: EngineConfig, tokens: int) -> ConfigIssue:
+    """A tokenizer of `tokens` ids, more than the model has embedding rows: fixed by the vocabulary
+    where the config sets it, by the tokenizer where a pretrained directory does."""
+    if config.model.init_from is not None and get_family(config.model.family).pretrained_fields is not None:
+        return ConfigIssue(
+            "data.tokenizer",
+            f'"{config.data.tokenizer}" has {tokens} tokens, more than the {config.model.vocab_size} embedding rows '
+            f"of model.init_from {config.model.init_from} (its config.json's vocab_size); use the tokenizer that "
+            "model was trained with",
+        )
+    return ConfigIssue(
+        "model.vocab_size",
+        f"{config.model.vocab_size} is smaller than the tokenizer's {tokens} tokens "
+        f'(data.tokenizer "{config.data.tokenizer}"); raise it or use "auto"',
+    )
 
 
 def _cache_dir(config: EngineConfig) -> Path | None:
@@ -129,7 +138,22 @@ def check_data(config: EngineConfig) -> tuple[EngineConfig, DataBundle]:
     bundle = load_data(config)
     config = settle_vocabulary(config, bundle)
     check_classes(config, bundle)
+    check_lora_targets(config)
     return config, bundle
+
+
+def check_lora_targets(config: EngineConfig) -> None:
+    """model.lora's target_modules and modules_to_save, each matched against the modules of the model
+    (built on the meta device, its vocabulary settled): a name that matches none is one ConfigError
+    naming the model's layers, where peft would refuse only a list none of whose names match."""
+    section = config.model.fields.get("lora")
+    if section is None or not get_family(config.model.family).lora:
+        return
+    base = base_model(get_family(config.model.family), config.model.fields, weights=False)
+    problems = target_problems(base, section)
+    if problems:
+        issues = [ConfigIssue(f"model.lora.{key}", message) for key, message in problems]
+        raise ConfigError(issues, str(config.source))
 
 
 @dataclass(frozen=True)
@@ -166,6 +190,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         config = settle_vocabulary(config, bundle, saved.vocab_size if saved is not None else None)
         check_classes(config, bundle)
         get_family(config.model.family).check_init_from(config.model.fields)
+        check_lora_targets(config)
         layout = checkpoint_layout(config, bundle)
         reshape = resume is not None and needs_conversion(saved, layout, resume.path)
         if resume is not None:
@@ -290,7 +315,7 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> SavedLayout:
     vocab_size = config.model.vocab_size if get_family(config.model.family).uses_vocabulary else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer.weight_decay_on) else 1
     tokenizer = bundle.tokenizer.fingerprint if bundle.tokenizer is not None else None
-    streamed = isinstance(bundle.train, StreamedCorpus)
+    streamed = bundle.streamed
     return SavedLayout(
         config.trainer.backend,
         layout.data,
@@ -303,4 +328,5 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> SavedLayout:
         config.document["train_batch_size"],
         None if streamed else len(bundle.train),
         streamed,
+        lora=config.model.fields.get("lora") is not None,
     )

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from data import make_eval_loader, make_train_loader
-from data.streaming import StreamedCorpus, StreamedWindows, stream_micro_batches
+from data.streaming import StreamedWindows, stream_micro_batches
 from engine.backends.base import Backend, Batch, StepHooks
 from engine.backends.factory import backend_settings, build_backend
 from engine.backends.prefetch import DevicePrefetcher
-from engine.checkpoints.export import export_model, sample_text
+from engine.checkpoints.export import export_model, load_exported, sample_reply, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
 from engine.config.stop_keys import parse_duration, signal_number
@@ -62,9 +62,7 @@ class Trainer:
         self.checkpoints.convert_source(config.document["train_batch_size"])
         settings = backend_settings(config, self.family, self.device, self.hooks, self.prepared.reshape)
         backend, dp_rank = build_backend(settings)
-        stream = (
-            self.data.train.windows(dp_rank, config.dp_size) if isinstance(self.data.train, StreamedCorpus) else None
-        )
+        stream = self.data.train.windows(dp_rank, config.dp_size) if self.data.streamed else None
         start_step = self.checkpoints.resume(backend, stream)
         stops = self.stop_requests()
         loop_settings = self.loop_settings(stops)
@@ -182,7 +180,7 @@ class Trainer:
         if layout.model_parallel:
             logger.write(layout.describe(backend.stage_layers()))
         logger.write(
-            f"training {config.model.family} {config.model.preset} on {config.world_size} rank(s), "
+            f"training {config.model.label} on {config.world_size} rank(s), "
             f"{config.trainer.backend} backend, ZeRO stage {config.zero_stage}, {config.precision_label}, "
             f"global batch {config.document['train_batch_size']}"
             + (", compiled (torch.compile)" if backend.compiled else "")
@@ -199,6 +197,18 @@ class Trainer:
             elif saved != now:
                 logger.write(f"resumed on another layout: saved on {saved}, now {now}")
 
+    def sample(self, model: torch.nn.Module, num_tokens: int) -> str:
+        """What the exported model says: its reply to the chat data's sample prompt (the first
+        validation conversation up to its last answer, through the chat template), else a continuation."""
+        tokenizer, prompt, seed = self.data.tokenizer, self.data.sample_prompt, self.config.trainer.seed
+        if prompt is None:
+            return "sample:\n" + sample_text(model, tokenizer, num_tokens, seed)
+        reply = sample_reply(model, tokenizer, prompt, num_tokens, seed, stop=tokenizer.eos_id)
+        return (
+            "sample, the reply to the first validation conversation (rendered through the chat template up to "
+            f"its last answer):\n{tokenizer.decode(prompt)}{reply}"
+        )
+
     def export(self, backend: Backend, step: int, logger: MetricsLogger, stops: StopRequests | None) -> None:
         """Collective: rank 0 consolidates the checkpoint of `step` into the export (and samples text
         from it, unless a stop signal came); the others wait."""
@@ -208,20 +218,21 @@ class Trainer:
         if is_main_process():
             export_dir = self.output_dir / "export"
             tokenizer = self.data.tokenizer
-            export_model(
+            written = export_model(
                 self.family,
                 state,
                 self.config.model.fields,
                 export_dir,
                 tokenizer=tokenizer,
+                chat_template=self.data.chat_template,
                 image_transform=self.data.image_transform,
                 class_names=self.data.class_names,
+                merge_lora=self.config.trainer.export_merge_lora,
             )
-            logger.write(f"exported consolidated fp32 weights to {export_dir}")
+            logger.write(f"exported {written} to {export_dir}")
             tokens = self.config.trainer.sample_tokens
             if tokens and tokenizer is not None and stops is not None and stops.signalled():
                 logger.write(f"{stops.signal_name()} received: the export is written, text sampling skipped")
             elif tokens and tokenizer is not None:
-                text = sample_text(self.family, export_dir, tokenizer, tokens, self.config.trainer.seed)
-                logger.write("sample:\n" + text)
+                logger.write(self.sample(load_exported(self.family, self.config.model.fields, export_dir), tokens))
         barrier()

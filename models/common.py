@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -31,6 +32,10 @@ def merge_preset(family: str, presets: Mapping[str, Mapping[str, Any]], section:
     None counts as unset so that a config can spell out a key without pinning it.
     """
     name = section.get("preset")
+    if name is None:
+        # Only a model.init_from directory's config.json leaves it out, having given every field
+        # (engine/config/pretrained.py).
+        return {key: section.get(key) for key in next(iter(presets.values()))}
     if name not in presets:
         choices = ", ".join(presets)
         raise ValueError(f"model.preset {name!r} is not a {family} preset; choose one of: {choices}")
@@ -39,6 +44,28 @@ def merge_preset(family: str, presets: Mapping[str, Mapping[str, Any]], section:
         if section.get(key) is not None:
             merged[key] = section[key]
     return merged
+
+
+def pretrained_values(saved: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """`names` as a checkpoint's config.json (`saved`) gives them; ValueError naming those it leaves
+    out, whose transformers defaults (Llama's 4096 wide, 32 layers) no small checkpoint means."""
+    missing = [name for name in names if saved.get(name) is None]
+    if missing:
+        raise ValueError(f"gives no {', '.join(missing)} in its config.json")
+    return {name: saved[name] for name in names}
+
+
+def refuse_unbuildable(saved: Mapping[str, Any], built_as: Mapping[str, Any]) -> None:
+    """ValueError naming each value of a checkpoint's config.json (`saved`) other than the one the
+    family always builds (`built_as`). A key left out takes the transformers class's default, which
+    is that value (tests/unit/test_init_from.py compares them)."""
+    differences = [
+        f"{name} {json.dumps(saved[name])} (this family builds {json.dumps(value)})"
+        for name, value in built_as.items()
+        if saved.get(name, value) != value
+    ]
+    if differences:
+        raise ValueError(f"has {', '.join(differences)}, which no model field configures")
 
 
 def setting(section: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -94,7 +121,7 @@ def seed_everything(seed: int) -> None:
 
 EVAL_SUMS = ("loss_sum", "tokens")
 # Both train on token samples, `data.seq_len` of them each, with the vocabulary from the tokenizer.
-TOKEN_DATA_TYPES = ("text", "tokens", "synthetic")
+TOKEN_DATA_TYPES = ("text", "tokens", "chat", "instruction", "synthetic")
 # math.exp overflows above this; a diverged run should report an infinite perplexity, not crash.
 _LARGEST_EXP_ARGUMENT = math.log(sys.float_info.max)
 
@@ -137,9 +164,12 @@ def decoder_architecture(
 # causal mask itself before every forward, and to learn whether the inputs pack several sequences it
 # reads their position ids back from the device (`find_packed_sequence_indices`): one host sync per
 # forward, outside torch.compile. Under a name it has no mask function for, it builds no mask and
-# SDPA masks causally (`is_causal`), the very kernel "sdpa" reaches for unpadded, unpacked windows,
-# which are the only ones the engine's data makes. The name is not saved with a checkpoint.
+# SDPA masks causally (`is_causal`), the very kernel "sdpa" reaches for unpadded windows. Batches that
+# carry position ids (chat and instruction data) bring their own mask instead (`model_inputs`), so
+# that packed conversations never attend to each other. The name is not saved with a checkpoint.
 CAUSAL_SDPA = "engine_causal_sdpa"
+# The keyword under which `model_inputs` hands that mask through the model's forward to each attention.
+POSITIONS_MASK = "engine_positions_mask"
 
 
 def transformers_attention(name: str) -> str:
@@ -147,11 +177,39 @@ def transformers_attention(name: str) -> str:
     if name != "sdpa":
         return name
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if CAUSAL_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+        AttentionInterface.register(CAUSAL_SDPA, causal_sdpa_attention)
     return CAUSAL_SDPA
+
+
+def causal_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA function, masked by the batch's own mask where `model_inputs` passes one
+    (transformers builds none under CAUSAL_SDPA), else causal."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    positions_mask = kwargs.pop(POSITIONS_MASK, None)
+    if attention_mask is None:
+        attention_mask = positions_mask
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def positions_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, T, T), true where query i may attend to key j: j <= i, both in one sequence, a new
+    one starting wherever the positions do not run on by one (transformers' own rule,
+    `find_packed_sequence_indices`), here without reading them back from the device."""
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    sequences = starts.cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return (sequences[:, None, :, None] == sequences[:, None, None, :]) & causal
 
 
 def settled_vocabulary(arch: Mapping[str, Any]) -> int:
@@ -165,19 +223,36 @@ def settled_vocabulary(arch: Mapping[str, Any]) -> int:
     return vocab_size
 
 
-def compute_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss over every position: the labels arrive already one token on.
+def compute_loss(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor], divisor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token loss over the target tokens (labels other than IGNORE_INDEX, which arrive already
+    one token on): their mean, or their sum over `divisor` (engine/backends/token_mean.py), which
+    transformers' loss takes as `num_items_in_batch`.
 
     The model computes it in its own forward (transformers' `ForCausalLMLoss`, `pipeline_loss`'s
     arithmetic), so that a compiled model compiles the loss with it and never writes fp32 logits."""
     labels = batch["labels"].contiguous()
+    loss_arguments = {} if divisor is None else {"num_items_in_batch": divisor}
     # No KV cache: training never decodes, and the cache would cost memory on every forward.
-    return model(input_ids=batch["input_ids"], labels=labels, shift_labels=labels, use_cache=False).loss
+    return model(**model_inputs(batch), labels=labels, shift_labels=labels, use_cache=False, **loss_arguments).loss
 
 
 def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
-    return pipeline_eval_sums(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"])
+    return pipeline_eval_sums(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The token ids, and where the data gives position ids (chat and instruction data, restarting at
+    each packed conversation) those and the mask that keeps attention within each conversation: built
+    once per forward for CAUSAL_SDPA, which builds none (eager attention builds its own from the
+    position ids and ignores it)."""
+    inputs = {"input_ids": batch["input_ids"]}
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+        inputs[POSITIONS_MASK] = positions_causal_mask(batch["position_ids"])
+    return inputs
 
 
 def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
@@ -407,16 +482,15 @@ def _one_embedding_key(weights: dict[str, torch.Tensor], embedding: str, head: s
     return weights
 
 
-def sequence_issues(data: Mapping[str, Any], context: int, context_field: str, vocab: Any) -> Iterator[tuple[str, str]]:
-    """A sequence longer than the model's context (`context_field`), a vocabulary the byte tokenizer overflows."""
+def sequence_issues(data: Mapping[str, Any], context: int, context_field: str) -> Iterator[tuple[str, str]]:
+    """A sequence longer than the model's context (`context_field`). A vocabulary the tokenizer
+    overflows is the engine's rule (engine/config/rules.py), which knows which data reads a tokenizer."""
     seq_len = data.get("seq_len", AUTO)
     if seq_len != AUTO and seq_len > context:
         yield (
             "data.seq_len",
             f"{seq_len} is longer than model.{context_field} {context}; shorten it or raise {context_field}",
         )
-    if data["type"] in ("text", "tokens") and data["tokenizer"] == "byte" and vocab != AUTO and vocab < 256:
-        yield "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
 
 
 def decoder_activations(

@@ -32,10 +32,24 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     "1.5B": {"n_layer": 48, "n_head": 25, "n_embd": 1600, **_GPT2_CONTEXT},
 }
 ARCHITECTURE_FIELDS = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+# What this family always builds the same way, by GPT2Config's names: a `model.init_from` checkpoint
+# holding another value (a wider MLP, another activation, an untied head) is refused.
+BUILT_AS: Mapping[str, Any] = {
+    "n_inner": None,
+    "activation_function": "gelu_new",
+    "layer_norm_epsilon": 1e-5,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "tie_word_embeddings": True,
+}
 
 # The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
 MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
-    "preset": {"enum": list(PRESETS), "description": "GPT-2 size; explicit fields below override it."},
+    "preset": {
+        "enum": list(PRESETS),
+        "description": "GPT-2 size; explicit fields below override it. Beside model.init_from it gives way: the "
+        "directory's config.json decides every field.",
+    },
     "n_layer": {"type": "integer", "minimum": 1, "description": "Transformer blocks (overrides the preset)."},
     "n_head": {
         "type": "integer",
@@ -97,16 +111,34 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
 
 # transformers builds this family partitioned under ZeRO-3 (engine/parallel/zero3_init.py).
 BUILDS_PARTITIONED = True
+# model.lora: peft adapts its linear layers (models/lora.py).
+LORA = True
 
 
 # Built, loaded from `model.init_from` and exported as HF's GPT-2 checkpoints: the tied embedding
 # stored once, under transformer.wte.weight (every version of transformers loads and re-ties it).
 _WTE = "transformer.wte.weight"
 CHECKPOINT = HFCheckpoint(
-    "GPT2LMHeadModel", "GPT-2", lambda section: gpt2_config(architecture(section)), ARCHITECTURE_FIELDS, (), _WTE
+    "GPT2LMHeadModel",
+    "GPT-2",
+    lambda section: gpt2_config(architecture(section)),
+    ARCHITECTURE_FIELDS,
+    tuple(BUILT_AS),
+    _WTE,
 )
 build, check_init_from = CHECKPOINT.build, CHECKPOINT.check_init_from
 export, load_export = CHECKPOINT.export, CHECKPOINT.load_export
+
+
+def pretrained_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-section fields a GPT-2 checkpoint's config.json (`saved`) decides, read without
+    importing transformers; ValueError naming what this family cannot build from it."""
+    if saved.get("model_type") != "gpt2":
+        raise ValueError(f"holds a {saved.get('model_type')!r} checkpoint, not a GPT-2 one")
+    common.refuse_unbuildable(saved, BUILT_AS)
+    return common.pretrained_values(saved, ARCHITECTURE_FIELDS)
+
+
 # Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
 compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
 apply_activation_checkpointing = common.apply_activation_checkpointing
@@ -125,7 +157,7 @@ def config_issues(
             "model.n_head",
             f"{arch['n_head']} heads do not divide n_embd {arch['n_embd']}; pick a head count that divides the width",
         )
-    yield from common.sequence_issues(data, arch["n_positions"], "n_positions", arch["vocab_size"])
+    yield from common.sequence_issues(data, arch["n_positions"], "n_positions")
 
 
 def items_per_sample(data: Mapping[str, Any]) -> int:

@@ -71,7 +71,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     },
 }
 # What `model.init_from` must match, by LlamaConfig's names (rope_theta and rope_scaling make up
-# its `rope_parameters`); and what this family always builds the same way.
+# its `rope_parameters`).
 ARCHITECTURE_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
@@ -84,7 +84,24 @@ ARCHITECTURE_FIELDS = (
     "tie_word_embeddings",
     "rope_parameters",
 )
-FIXED_FIELDS = ("head_dim", "hidden_act", "attention_bias", "mlp_bias")
+# What each architecture always builds the same way, by its config class's names: a checkpoint
+# holding another value is refused. Llama's and Mistral's head_dim is always hidden_size / heads.
+BUILT_AS: Mapping[str, Mapping[str, Any]] = {
+    "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    "qwen2": {"hidden_act": "silu", "use_sliding_window": False},
+    "mistral": {"hidden_act": "silu"},
+}
+_HEAD_DIM = ("llama", "mistral")
+# What a config.json may leave out, as each config class defaults it (tests/unit/test_init_from.py
+# compares them); num_key_value_heads None is num_attention_heads (plain multi-head attention).
+_SHARED_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+PRETRAINED_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "llama": {**_SHARED_DEFAULTS, "num_key_value_heads": None},
+    "qwen2": {**_SHARED_DEFAULTS, "num_key_value_heads": 32},
+    "mistral": {**_SHARED_DEFAULTS, "num_key_value_heads": 8, "sliding_window": 4096},
+}
+# transformers keeps the context a scaled rotary embedding was pretrained at beside its parameters.
+_ROPE_TYPES_WITH_ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")
 # `model.architecture`: the transformers classes built, by their model_type, which is what
 # `model.init_from` must hold and what an export's config.json names. Qwen2 always biases q, k and
 # v and has no head_dim field; this family builds it without sliding windows (use_sliding_window
@@ -92,30 +109,26 @@ FIXED_FIELDS = ("head_dim", "hidden_act", "attention_bias", "mlp_bias")
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 DEFAULT_ARCHITECTURE = "llama"
 _CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "Llama", ARCHITECTURE_FIELDS, FIXED_FIELDS),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2", ARCHITECTURE_FIELDS, ("hidden_act", "use_sliding_window")),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        "Mistral",
-        (*ARCHITECTURE_FIELDS, "sliding_window"),
-        ("head_dim", "hidden_act"),
-    ),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "Llama", ARCHITECTURE_FIELDS),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2", ARCHITECTURE_FIELDS),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "Mistral", (*ARCHITECTURE_FIELDS, "sliding_window")),
 }
 # Built (by transformers partitioned under ZeRO-3: engine/parallel/zero3_init.py), loaded from
 # `model.init_from` and exported as HF's checkpoints of the architecture: a tied embedding stored
 # once, as Llama 3.2's are, an untied head under lm_head.weight.
 BUILDS_PARTITIONED = True
+# model.lora: peft adapts its linear layers (models/lora.py).
+LORA = True
 CHECKPOINTS: Mapping[str, HFCheckpoint] = {
     name: HFCheckpoint(
         model_class=model_class,
         kind=kind,
         config=lambda section: llama_config(architecture(section)),
         fields=fields,
-        fixed=fixed,
+        fixed=(*(("head_dim",) if name in _HEAD_DIM else ()), *BUILT_AS[name]),
         embedding="model.embed_tokens.weight",
     )
-    for name, (_, model_class, kind, fields, fixed) in _CLASSES.items()
+    for name, (_, model_class, kind, fields) in _CLASSES.items()
 }
 
 
@@ -138,6 +151,57 @@ def export(
     class_names: Sequence[str] | None = None,
 ) -> None:
     _checkpoint(section).export(state_dict, section, out_dir, class_names)
+
+
+def pretrained_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-section fields a checkpoint's config.json (`saved`) decides, read as transformers
+    reads them (a key left out takes the config class's default; rope_theta and rope_scaling from
+    transformers 5's `rope_parameters` or their older top-level keys), without importing it.
+    ValueError naming what this family cannot build from it."""
+    name = saved.get("model_type")
+    if name not in _CLASSES:
+        raise ValueError(f"holds a {name!r} checkpoint, not a Llama one ({', '.join(ARCHITECTURES)})")
+    fields = common.pretrained_values(
+        saved,
+        (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "vocab_size",
+        ),
+    )
+    width = fields["hidden_size"] // fields["num_attention_heads"]
+    head_dim = {"head_dim": width} if name in _HEAD_DIM else {}
+    common.refuse_unbuildable({**saved, "head_dim": saved.get("head_dim") or width}, {**head_dim, **BUILT_AS[name]})
+    defaults = PRETRAINED_DEFAULTS[name]
+
+    def given(key: str) -> Any:
+        return saved.get(key, defaults[key])
+
+    fields |= {
+        "architecture": name,
+        "num_key_value_heads": given("num_key_value_heads") or fields["num_attention_heads"],
+        "rms_norm_eps": given("rms_norm_eps"),
+        "tie_word_embeddings": given("tie_word_embeddings"),
+        **_pretrained_rope(saved, given("rope_theta"), fields["max_position_embeddings"]),
+    }
+    if name == "mistral":
+        fields["sliding_window"] = given("sliding_window")
+    return fields
+
+
+def _pretrained_rope(saved: Mapping[str, Any], theta: float, context: int) -> dict[str, Any]:
+    """rope_theta and rope_scaling as transformers' `standardize_rope_params` settles them (`theta`
+    the top-level rope_theta, or its default); plain RoPE is {"rope_type": "default"}, not null,
+    which would leave a preset's scaling in place."""
+    scaling = dict(saved.get("rope_parameters") or saved.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", theta)
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    if scaling["rope_type"] in _ROPE_TYPES_WITH_ORIGINAL_CONTEXT:
+        scaling.setdefault("original_max_position_embeddings", context)
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 def load_export(path: Path) -> nn.Module:
@@ -179,7 +243,7 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
     "preset": {
         "enum": list(PRESETS),
         "description": "Llama shape: tiny (tests), 1B (Llama 3.2 1B), 8B (Llama 3 8B); explicit fields below "
-        "override it.",
+        "override it. Beside model.init_from it gives way: the directory's config.json decides every field.",
     },
     "hidden_size": _integer("Model width"),
     "num_hidden_layers": _integer("Decoder layers"),
@@ -287,9 +351,7 @@ def config_issues(
             "an equal group of query heads",
         )
     yield from _sliding_window_issues(arch, data)
-    yield from common.sequence_issues(
-        data, arch["max_position_embeddings"], "max_position_embeddings", arch["vocab_size"]
-    )
+    yield from common.sequence_issues(data, arch["max_position_embeddings"], "max_position_embeddings")
 
 
 def _sliding_window_issues(arch: Mapping[str, Any], data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,13 @@ from models.costs import ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan
 
 Batch = Mapping[str, torch.Tensor]
+
+
+class ComputeLoss(Protocol):
+    """A family's training loss of one micro-batch: the mean over its targets, or with `divisor` their
+    summed loss divided by it (engine/backends/token_mean.py)."""
+
+    def __call__(self, model: torch.nn.Module, batch: Batch, divisor: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,15 @@ class ModelFamily:
     `compute_loss` and `eval_sums` receive the module itself or a wrapper that forwards calls to it
     (a DeepSpeed engine), so they only call the model and never reach into its attributes.
     `check_init_from` reads what `model.init_from` names without loading its weights, so a wrong
-    one stops the run before any process group.
+    one stops the run before any process group. `pretrained_fields(saved)`, for a family that starts
+    from transformers checkpoints (None elsewhere), turns such a checkpoint's config.json into the
+    model-section fields it decides (engine/config/pretrained.py), or raises ValueError saying why
+    the family cannot build it.
     `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
     repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
     `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
     only ever holds its share of the weights (engine/parallel/zero3_init.py).
+    `lora`: `model.lora` applies, peft adapting the model's linear layers (models/lora.py).
     `export(state_dict, section, out_dir, class_names)` writes what the model's own library loads;
     `class_names`, the data's names for its labels where it has them, are for image classifiers, and
     a family trained on tokens refuses any.
@@ -92,7 +103,8 @@ class ModelFamily:
     context_length: Callable[[Mapping[str, Any]], int | None]
     build: Callable[[Mapping[str, Any]], torch.nn.Module]
     check_init_from: Callable[[Mapping[str, Any]], None]
-    compute_loss: Callable[[torch.nn.Module, Batch], torch.Tensor]
+    pretrained_fields: Callable[[Mapping[str, Any]], dict[str, Any]] | None
+    compute_loss: ComputeLoss
     eval_sums: Callable[[torch.nn.Module, Batch], dict[str, torch.Tensor]]
     summarize_eval: Callable[[Mapping[str, float]], dict[str, float]]
     export: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Path, Sequence[str] | None], None]
@@ -101,6 +113,7 @@ class ModelFamily:
     tensor_parallel: TensorParallelPlan | None
     shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
     builds_partitioned: bool
+    lora: bool = False
 
 
 def _family(name: str, module: ModuleType) -> ModelFamily:
@@ -123,6 +136,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         context_length=module.context_length,
         build=module.build,
         check_init_from=module.check_init_from,
+        pretrained_fields=getattr(module, "pretrained_fields", None),
         compute_loss=module.compute_loss,
         eval_sums=module.eval_sums,
         summarize_eval=module.summarize_eval,
@@ -140,6 +154,7 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         tensor_parallel=getattr(module, "TENSOR_PARALLEL_PLAN", None),
         shard_units=module.shard_units,
         builds_partitioned=module.BUILDS_PARTITIONED,
+        lora=getattr(module, "LORA", False),
     )
 
 

@@ -236,8 +236,15 @@ def logits_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def compute_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return pipeline_loss(logits_of(model(batch["pixel_values"])), batch["labels"])
+def compute_loss(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], divisor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean loss per image, or summed over the images that count and divided by `divisor`
+    (engine/backends/token_mean.py: image labels are never masked in training, so no backend asks)."""
+    logits = logits_of(model(batch["pixel_values"]))
+    if divisor is None:
+        return pipeline_loss(logits, batch["labels"])
+    return F.cross_entropy(logits.float(), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum") / divisor
 
 
 def eval_sums(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -105,4 +105,4 @@ if [[ ! -e /usr/include/libaio.h ]]; then
     echo "setup: NVMe offload needs libaio's headers: apt-get install libaio-dev (or dnf install libaio-devel) as root"
   fi
 fi
-"$PYTHON" -c "import torch, deepspeed, transformers, datasets, accelerate; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, datasets {datasets.__version__}, accelerate {accelerate.__version__}')"
+"$PYTHON" -c "import torch, deepspeed, transformers, datasets, accelerate, peft; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, datasets {datasets.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}')"

@@ -38,9 +38,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "dsengine" / "tokens"
 
 
-def corpus_key(sources: list[dict[str, Any]], tokenizer_identity: str, text_field: str) -> str:
-    """The folder name of one corpus prepared with one tokenizer."""
+def corpus_key(
+    sources: list[dict[str, Any]], tokenizer_identity: str, text_field: str, recipe: dict[str, Any] | None = None
+) -> str:
+    """The folder name of one corpus prepared with one tokenizer; `recipe`, for conversations, holds
+    what else changes their ids and loss mask (the chat template, which tokens train)."""
     record = {"version": VERSION, "sources": sources, "tokenizer": tokenizer_identity, "text_field": text_field}
+    if recipe is not None:
+        record["recipe"] = recipe
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:20]
 
 

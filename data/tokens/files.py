@@ -7,6 +7,8 @@ A prepared corpus is one folder:
     train.bin                the training split's tokens, end to end, in `dtype` (nanoGPT's layout)
     train.docs.npy           int64 start offset of every document in train.bin
     validation.bin/.docs.npy only where the source has its own validation split
+    train.mask.bin           conversations only (meta.json's "loss_mask"): one uint8 per token, 1 where
+                             the token is a target (data/chat/)
 
 `train.bin` is exactly what nanoGPT's prepare.py writes (a headerless array of ids), so the file
 is also usable by nanoGPT and by `data.type: "tokens"`. The folder is written under a staging
@@ -122,6 +124,13 @@ class PreparedCorpus:
     def document_starts(self, split: str) -> np.ndarray:
         return np.load(self.folder / f"{split}.docs.npy", mmap_mode="r")
 
+    def loss_mask(self, split: str) -> np.ndarray:
+        """Conversations: 1 where the token at that position of `tokens(split)` is a target."""
+        count = self.meta["splits"][split]["tokens"]
+        if count == 0:
+            return np.empty(0, dtype=np.uint8)
+        return np.memmap(self.folder / f"{split}.mask.bin", dtype=np.uint8, mode="r", shape=(count,))
+
 
 def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads((folder / META_FILE).read_text())
@@ -144,6 +153,9 @@ def damage(folder: Path) -> str | None:
         actual = path.stat().st_size if path.is_file() else None
         if actual != expected:
             return f"{path.name} holds {actual} bytes where {META_FILE} promises {expected}"
+        mask = folder / f"{split}.mask.bin"
+        if meta.get("loss_mask") and (mask.stat().st_size if mask.is_file() else None) != counts["tokens"]:
+            return f"{mask.name} does not hold the one byte per token {META_FILE} promises"
         try:
             starts = np.load(folder / f"{split}.docs.npy", mmap_mode="r")
         except (OSError, ValueError):

@@ -45,6 +45,7 @@ from engine.backends.optim import (
     parameter_groups,
     restore_group_settings,
 )
+from engine.backends.token_mean import TargetCount
 from engine.checkpoints.from_torch import ENGINE_STATE
 from engine.checkpoints.to_torch import FullState, full_state, progress
 from engine.checkpoints.universal import canonical_names, save_names
@@ -65,6 +66,9 @@ class AccelerateBackend(Backend):
         self.family, self.device, self.hooks = family, device, settings.hooks
         self.wrapper = settings.accelerate_wrapper
         self._accumulation = document["gradient_accumulation_steps"]
+        if settings.masked_labels:
+            # DDP and FSDP2 average gradients over every rank, as the divisor assumes.
+            self.target_count = TargetCount(self._accumulation, dist.get_world_size(), None)
         self._clipping = document["gradient_clipping"]
         self._autocast_dtype = torch.bfloat16 if settings.precision == "bf16" else None
         self.accelerator = Accelerator(cpu=device.type == "cpu")
@@ -150,12 +154,13 @@ class AccelerateBackend(Backend):
     def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
+        micro_batches, divisor = self.micro_batches(batches, self._accumulation)
         for micro_step in range(self._accumulation):
             with self.phase("data"):
-                batch = to_device(next(batches), self.device, torch.float32)
+                batch = next(micro_batches)
             with self._gradient_sync(micro_step == self._accumulation - 1):
                 with self.phase("forward"), self._autocast():
-                    loss = self.hooks.on_loss(self.family.compute_loss(self.model, batch))
+                    loss = self.hooks.on_loss(self.family.compute_loss(self.model, batch, divisor))
                 with self.phase("backward"):
                     (loss / self._accumulation).backward()
             loss_sum += loss.detach().float()
@@ -217,7 +222,7 @@ class AccelerateBackend(Backend):
         mode, not its process mode: the launchers' SIGTERM reaches a rank's children, and torch's
         checkpoint process would die of it in the middle of the save the signal asks for."""
         path = checkpoint_dir / tag
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._checkpointed())
         state = {"model": model_state, "optimizer": optimizer_state}
         if self._save_group is None:
             dcp.save(state, checkpoint_id=str(path))
@@ -251,15 +256,32 @@ class AccelerateBackend(Backend):
                 "checkpoint saved without its layout (layout.json) resumes under the DeepSpeed backend only"
             )
         settings = group_settings(self.optimizer)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        options = self._checkpointed()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
         saved = torch.load(path / ENGINE_STATE, map_location="cpu", weights_only=False)
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         restore_group_settings(self.optimizer, settings, self.scheduler)
         return saved["client_state"]
+
+    def _adapters_only(self) -> bool:
+        """Only adapters train (model.lora): the frozen base is model.init_from's, read at every start."""
+        return any(not parameter.requires_grad for parameter in self.model.parameters())
+
+    def _checkpointed(self) -> StateDictOptions:
+        """What a checkpoint holds: under model.lora the trained tensors alone (`strict` off on load,
+        where the frozen base's names are absent), else every tensor."""
+        adapters = self._adapters_only()
+        return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
 
     def _unwrapped(self) -> torch.nn.Module:
         """The model under its own names (FSDP2 wraps in place; DDP holds it as `module`)."""
@@ -287,7 +309,8 @@ class AccelerateBackend(Backend):
 
     def consolidated_state_dict(self, checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor] | None:
         # The live model holds exactly what checkpoint `tag` saved: it is the last save of the run.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self._adapters_only())
+        state = get_model_state_dict(self.model, options=options)
         if dist.get_rank() != 0:
             return None
         return {name: value.float() if value.is_floating_point() else value for name, value in state.items()}

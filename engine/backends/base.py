@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.backends.token_mean import TargetCount
 from engine.config.rules import offloads
 from engine.observability.memory import StepWatch
 from engine.observability.step_phases import PhaseTimer
@@ -83,6 +84,11 @@ class BackendSettings:
     nonfinite: str  # trainer.nonfinite: "stop" or "skip"
     async_save: bool  # trainer.async_save: `save` returns before its files are whole
     grid: PipelineParallelGrid | None = None
+    # The training labels can hold IGNORE_INDEX (prompts, padding): each step counts its target
+    # tokens (engine/backends/token_mean.py). Where every label is a target it need not.
+    masked_labels: bool = False
+    # trainer.seed, which alone draws model.lora's adapters (models/lora.py `peft_model`).
+    seed: int = 0
 
     @property
     def offloads(self) -> bool:
@@ -107,18 +113,36 @@ class Backend(ABC):
     compiled: bool = False
     # The timer of the step in progress, when the loop times it (its logged steps).
     _timer: PhaseTimer | None = None
+    # Where the training labels can hold IGNORE_INDEX: how a step divides each micro-batch's loss.
+    target_count: TargetCount | None = None
 
     def train_step(self, batches: Iterator[Batch], timer: PhaseTimer | None = None) -> torch.Tensor:
         """One optimizer step over the next gradient_accumulation_steps micro-batches, its phases
         timed into `timer` when one is given (engine/observability/step_phases.py).
 
-        Returns a loss on the device (no host sync) whose mean over all ranks is the step's mean loss.
+        Returns a loss on the device (no host sync) whose mean over all ranks is the step's loss: the
+        mean over the target tokens of the global batch (engine/backends/token_mean.py).
         """
         self._timer = timer
         return self._train_step(batches)
 
     @abstractmethod
     def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor: ...
+
+    def micro_batches(
+        self, batches: Iterator[Batch], count: int
+    ) -> tuple[Iterator[dict[str, torch.Tensor]], torch.Tensor | None]:
+        """The step's `count` micro-batches on the device, and the divisor of each one's summed token
+        loss (`TargetCount.divisor`; None: each takes its own mean, the global one where every label is
+        a target). Counting needs every label of the step before its first forward, so those
+        micro-batches are taken up front, their copies (token ids) small beside a forward; the others
+        move one at a time, as the step takes them."""
+        moved = (to_device(next(batches), self.device, self.input_dtype) for _ in range(count))
+        if self.target_count is None:
+            return moved, None
+        with self.phase("data"):
+            taken = list(moved)
+            return iter(taken), self.target_count.divisor(taken)
 
     @property
     def timing(self) -> bool:

@@ -33,6 +33,7 @@ from engine.backends.base import Backend, BackendSettings, Batch, to_device
 from engine.backends.cpu_adam_steps import replay_cpu_adam_steps
 from engine.backends.fp16_loss_scale import Fp16WithoutZero, fp16_without_zero
 from engine.backends.optim import group_settings, parameter_groups, restore_group_settings
+from engine.backends.token_mean import TargetCount
 from engine.backends.zero_checks import defer_norm_checks
 from engine.checkpoints.background import BackgroundCheckpointEngine, BackgroundWriter
 from engine.checkpoints.nvme import fp32_state_dict
@@ -98,6 +99,12 @@ class DeepSpeedEngineBackend(Backend):
 
     def learning_rate(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    @property
+    def adapters_only(self) -> bool:
+        """Only adapters train (model.lora): checkpoints hold them and their optimizer states alone,
+        and the frozen base comes from model.init_from at every start."""
+        return any(not parameter.requires_grad for parameter in self.engine.module.parameters())
 
     def start_writer(self, settings: BackendSettings) -> None:
         """trainer.async_save: start the writer process before `deepspeed.initialize`, so that its
@@ -188,16 +195,25 @@ class DeepSpeedEngineBackend(Backend):
         dist.all_gather_object(infos, universal_info(module, tensor_size))
         client_state = {**client_state, UNIVERSAL_CHECKPOINT_INFO: merged_info([info for info in infos if info])}
         # `latest` is published by engine.checkpoints.store once every rank is done, not by DeepSpeed.
-        self.engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state=client_state, save_latest=False)
+        self.engine.save_checkpoint(
+            str(checkpoint_dir),
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=self.adapters_only,
+        )
         save_names(checkpoint_dir / tag, dist.get_rank(), canonical_names(module, self._names))
         if self.engine.zero_optimization_stage() == 3 and self.engine.zero_gather_16bit_weights_on_model_save():
             # What the key asks of DeepSpeed: the gathered weights beside the shards, in the same
             # atomically published folder (a collective: every rank gathers, rank 0 writes).
-            self.engine.save_16bit_model(str(checkpoint_dir / tag))
+            self.engine.save_16bit_model(str(checkpoint_dir / tag), exclude_frozen_parameters=self.adapters_only)
 
     def load(self, checkpoint_dir: Path, tag: str) -> dict[str, Any]:
         settings = group_settings(self.engine.optimizer)
-        path, client_state = self.engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        # Without the frozen base, which the build has just read from model.init_from again.
+        path, client_state = self.engine.load_checkpoint(
+            str(checkpoint_dir), tag=tag, load_module_strict=not self.adapters_only
+        )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {checkpoint_dir}")
         if self.engine.zero_nvme_offload_optimizer() and not self.engine.load_universal_checkpoint():
@@ -377,6 +393,11 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self.hooks = settings.hooks
         self.write_in_background(settings)
         self._accumulation = self.engine.gradient_accumulation_steps()
+        if settings.masked_labels:
+            # Under tensor parallelism the data-parallel group is the grid's, as DeepSpeed reduces over it.
+            self.target_count = TargetCount(
+                self._accumulation, self.engine.dp_world_size, self.engine.data_parallel_group
+            )
         self._zero_stage = self.engine.zero_optimization_stage()
         self._mixed_precision = self.engine.bfloat16_enabled() or self.engine.fp16_enabled()
         self._fp16 = fp16_without_zero(self.engine.optimizer)
@@ -404,11 +425,12 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
 
     def _train_step(self, batches: Iterator[Batch]) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
+        micro_batches, divisor = self.micro_batches(batches, self._accumulation)
         for micro_step in range(self._accumulation):
             with self.phase("data"):
-                batch = to_device(next(batches), self.device, self.input_dtype)
+                batch = next(micro_batches)
             with self.phase("forward"):
-                loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch))
+                loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch, divisor))
             with self.phase("backward"):
                 self.engine.backward(self._fp16.scaled(loss) if self._fp16 else loss)
             if micro_step == self._accumulation - 1:

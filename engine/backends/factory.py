@@ -19,9 +19,11 @@ from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineB
 from engine.backends.nvme_repairs import repair_swappers
 from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
+from engine.config.rules import labels_can_be_masked
 from engine.parallel.layout import parallel_layout
 from engine.parallel.zero3_init import partition_built, partitioned_build
 from models import ModelFamily
+from models.lora import apply_lora
 from models.tensor_parallel import apply_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +55,8 @@ def backend_settings(
         compile=config.trainer.compile,
         nonfinite=config.trainer.nonfinite,
         async_save=config.trainer.async_save,
+        masked_labels=labels_can_be_masked(config.data.as_mapping()),
+        seed=config.trainer.seed,
     )
 
 
@@ -67,7 +71,8 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, int]:
         # about 2 s to the start-up of every DeepSpeed rank.
         from engine.backends.accelerate_backend import AccelerateBackend
 
-        return AccelerateBackend(family.build(settings.model_fields), settings), torch.distributed.get_rank()
+        model = with_adapters(family.build(settings.model_fields), settings)
+        return AccelerateBackend(model, settings), torch.distributed.get_rank()
     zero = settings.deepspeed_config["zero_optimization"]
     swaps_parameters = zero.get("offload_param", {}).get("device") == "nvme"
     if swaps_parameters or zero.get("offload_optimizer", {}).get("device") == "nvme":
@@ -75,12 +80,21 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, int]:
     partitioned = settings.zero_stage == 3 and family.builds_partitioned
     with partitioned_build(settings.deepspeed_config) if partitioned else nullcontext():
         model = family.build(settings.model_fields)
+    # Outside the partitioned build: deepspeed.initialize partitions the adapters it finds whole,
+    # broadcasting rank 0's (parameter_offload.py `_convert_to_zero_parameters`).
+    model = with_adapters(model, settings)
     if swaps_parameters and not partitioned:
         partition_built(model, settings.deepspeed_config)
     backend, data_rank = _deepspeed_backend(model, settings)
     if settings.compile:
         backend.compile()
     return backend, data_rank
+
+
+def with_adapters(model: torch.nn.Module, settings: BackendSettings) -> torch.nn.Module:
+    """`model` with model.lora's adapters, its base frozen (models/lora.py); `model` itself without."""
+    section = settings.model_fields.get("lora")
+    return model if section is None else apply_lora(model, section, settings.seed)
 
 
 def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[DeepSpeedEngineBackend, int]:

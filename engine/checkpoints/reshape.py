@@ -37,7 +37,7 @@ class SavedLayout:
     `layout.json`; a run's own is written with each of its checkpoints). `tokenizer` is the
     tokenizer's fingerprint (text runs only); `train_samples` the size of the training set the data
     order was drawn over (None for a streamed corpus, read in its own order by each data-parallel
-    rank, `streamed`)."""
+    rank, `streamed`). `lora`: the run trained model.lora's adapters, which alone it saved."""
 
     backend: str
     data: int
@@ -50,6 +50,7 @@ class SavedLayout:
     train_batch_size: int | None
     train_samples: int | None
     streamed: bool = False
+    lora: bool = False
 
     def describe(self) -> str:
         return (
@@ -85,6 +86,7 @@ _OLDER_FILES: dict[str, Any] = {
     "train_batch_size": None,
     "train_samples": None,
     "streamed": False,
+    "lora": False,
 }
 
 
@@ -224,6 +226,17 @@ def same_optimizer_groups(saved: SavedLayout, current: SavedLayout, tag_dir: Pat
         )
 
 
+def same_adapters(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+    # A LoRA checkpoint holds the adapters and their optimizer states alone; its base is model.init_from's.
+    if saved.lora != current.lora:
+        held = "model.lora's adapters alone" if saved.lora else "every weight of the model"
+        trains = "adapters (model.lora)" if current.lora else "every weight (no model.lora)"
+        raise ReshapeError(
+            f"model.lora: checkpoint {tag_dir} holds {held}, and this run trains {trains}; resume with the "
+            "model.lora section it was saved with"
+        )
+
+
 def converts(saved: SavedLayout, current: SavedLayout) -> bool:
     """The decision: whether a resume of `saved` on `current` goes through the universal form."""
     # torch.distributed.checkpoint reshards on load: DDP's whole tensors and FSDP's row pieces are
@@ -306,6 +319,20 @@ def accelerate_names_recorded(saved: SavedLayout, current: SavedLayout, tag_dir:
         )
 
 
+@_on_conversion
+def adapters_on_their_layout(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+    if saved.lora:
+        raise _cannot_resume(
+            saved,
+            current,
+            tag_dir,
+            "a LoRA checkpoint holds the adapters and their optimizer states alone, and the universal form a "
+            "reshape goes through holds every parameter of the model. Resume it on its own layout "
+            f"({saved.describe()}); or export it merged (trainer.export_merge_lora) and start this layout from "
+            "that export with model.init_from and fresh adapters",
+        )
+
+
 # Run in order: the first to fail names its setting and the way out.
 CHECKS: tuple[Check, ...] = (
     vocabulary_splits,
@@ -316,6 +343,8 @@ CHECKS: tuple[Check, ...] = (
     same_global_batch,
     same_training_set,
     same_optimizer_groups,
+    same_adapters,
+    adapters_on_their_layout,
     tensor_shards_recorded,
     universal_into_zero_partitions,
     zero0_optimizer_order_recorded,

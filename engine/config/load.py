@@ -14,6 +14,7 @@ from hjson.decoder import getNext, make_scanner, scantfnns
 
 from engine.config.errors import ConfigError, ConfigIssue, json_path
 from engine.config.overrides import apply_overrides
+from engine.config.pretrained import apply_pretrained
 from engine.config.resolve import EngineConfig, resolve, settle_plugin_values, settle_training_arguments
 from engine.config.rules import rule_issues
 from engine.config.support import backend_issues
@@ -94,13 +95,19 @@ def read_document(path: Path) -> dict:
     return _DeepSpeedReader(dict).decode(text)  # plain dicts, now that no key is lost
 
 
-def check_document(document: dict, world_size: int, hardware: Hardware | None) -> dict:
-    """The defaults-filled document, or ConfigError with every schema and rule problem."""
+def check_document(
+    document: dict, world_size: int, hardware: Hardware | None, pretrained_required: bool = True
+) -> dict:
+    """The defaults-filled document, with what its `model.init_from` directory decides, or
+    ConfigError with every schema and rule problem. `pretrained_required` False: a `model.init_from`
+    directory that is not there gives way to a written `model.preset` (`plan` before the download)."""
     document = canonical_spellings(document)
     issues = schema_issues(document)
     if issues:
         # Cross-field rules read typed values; they run once the schema is satisfied.
         raise ConfigError(issues)
+    # Before any default or preset is filled in: what the user wrote must be told from what they did not.
+    document = apply_pretrained(document, absent_ok=not pretrained_required)
     filled = settle_plugin_values(settle_training_arguments(fill_defaults(document)))
     issues = [*rule_issues(filled, world_size, hardware), *backend_issues(document, filled)]
     if issues:
@@ -115,6 +122,7 @@ def load_config(
     world_size: int,
     hardware: Hardware,
     check_hardware: bool = True,
+    pretrained_required: bool = True,
 ) -> EngineConfig:
     """Read, override, validate and resolve a config for a run of `world_size` processes."""
     path = Path(path)
@@ -123,7 +131,7 @@ def load_config(
     if issues:
         raise ConfigError(issues, str(path))
     try:
-        filled = check_document(document, world_size, hardware if check_hardware else None)
+        filled = check_document(document, world_size, hardware if check_hardware else None, pretrained_required)
     except ConfigError as error:
         raise ConfigError(error.issues, str(path)) from None
     config = resolve(filled, world_size, hardware, source=path)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from data.kinds import KINDS, get_kind, kind_schema
 from engine.config.batch import BatchError, solve_document_batch
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
@@ -22,7 +23,7 @@ from engine.config.stop_keys import parse_duration, signal_number
 from engine.config.support import unsupported_issues
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware
-from models import get_family
+from models import FAMILIES, get_family
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
 
@@ -78,6 +79,13 @@ def auto_torch_adam(document: dict) -> bool:
     return not offloaded and not document["optimizer"].get("legacy_fusion") and not uncorrected
 
 
+def labels_can_be_masked(data: Mapping[str, Any]) -> bool:
+    """Whether the training labels of data section `data` can hold IGNORE_INDEX (prompts, other roles'
+    turns, padding), so that micro-batches differ in their counts of targets
+    (engine/backends/token_mean.py): its data kind says (data/kinds/)."""
+    return get_kind(data["type"]).masks_labels
+
+
 def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """What DeepSpeed's PipelineEngine cannot do, refused before it asserts at run time."""
     parallel, model = document["parallel"], document["model"]
@@ -122,6 +130,15 @@ def check_pipeline(document: dict, world_size: int, hardware: Hardware | None) -
             "model.activation_checkpointing",
             "pipeline stages checkpoint by layer interval; set it to false and "
             "parallel.pipeline_activation_checkpoint_interval to 1 (or more)",
+        )
+    if labels_can_be_masked(document["data"]):
+        yield ConfigIssue(
+            "data.type",
+            f'"{document["data"]["type"]}" data cannot train under pipeline parallelism: DeepSpeed\'s pipeline '
+            "engine averages each micro-batch's mean loss, not the global batch's target tokens, and its stages "
+            "take one micro-batch shape and number positions 0..T-1 themselves, so padded micro-batches and packed "
+            "conversations do not pass; set parallel.pipeline_parallel_size to 1 (ZeRO-3 or tensor parallelism "
+            "splits the model instead)",
         )
     family = get_family(model["family"])
     blocks = family.pipeline.num_blocks(family.architecture(model))
@@ -310,86 +327,94 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
     micro_batch = _known(document.get("train_micro_batch_size_per_gpu"))
     for path, message in get_family(model["family"]).config_issues(model, data, micro_batch):
         yield ConfigIssue(path, message)
-    if model["init_from"] is not None and not os.path.exists(model["init_from"]):
+    # A transformers checkpoint's directory is read, and a missing one refused, by engine/config/pretrained.py.
+    pretrained = get_family(model["family"]).pretrained_fields is not None
+    if model["init_from"] is not None and not pretrained and not os.path.exists(model["init_from"]):
         yield ConfigIssue("model.init_from", f"{model['init_from']!r} does not exist")
 
 
+def check_lora(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """What model.lora's adapters combine with here. Its target modules are checked against the
+    model's own, built on the meta device, in `engine.prepare.check_lora_targets`."""
+    model, parallel = document["model"], document["parallel"]
+    if model.get("lora") is None:
+        if document["trainer"]["export_merge_lora"]:
+            yield ConfigIssue(
+                "trainer.export_merge_lora", "true merges model.lora's adapters, and model.lora is null; set it to false"
+            )
+        return
+    family = get_family(model["family"])
+    if not family.lora:
+        adapted = ", ".join(name for name, entry in FAMILIES.items() if entry.lora)
+        yield ConfigIssue(
+            "model.lora",
+            f"{family.name} models have no LoRA form here (peft adapts the linear layers of the {adapted} "
+            "decoders); remove model.lora",
+        )
+        return
+    if model["init_from"] is None:
+        yield ConfigIssue(
+            "model.init_from",
+            "model.lora trains adapters on a pretrained base: set it to the base model's directory, whose weights "
+            "stay frozen, are read again at every resume (checkpoints hold the adapters alone) and are what the "
+            "exported adapter loads on",
+        )
+    if parallel["tensor_parallel_size"] > 1:
+        yield ConfigIssue(
+            "parallel.tensor_parallel_size",
+            "LoRA does not combine with tensor parallelism here: the tensor-parallel plan cuts the projections into "
+            "column and row shards that peft's adapters, wrapped around them, do not know of (an adapter beside a "
+            "shard would need a split and an all-reduce of its own). Set it to 1; ZeRO-3 spreads the frozen base "
+            "over every rank instead",
+        )
+    if parallel["pipeline_parallel_size"] > 1:
+        yield ConfigIssue(
+            "parallel.pipeline_parallel_size",
+            "LoRA does not combine with pipeline parallelism here: DeepSpeed's pipeline engine saves every layer "
+            "whole, the frozen base with it, and its stages are untested with frozen weights. Set it to 1; "
+            "ZeRO-3 spreads the frozen base over every rank instead",
+        )
+
+
 def check_data(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """What the data section asks, checked by its kind's registry entry (data/kinds/)."""
     data, family = document["data"], get_family(document["model"]["family"])
+    kind = get_kind(data["type"])
     if data["type"] not in family.data_types:
-        allowed = " or ".join(f'"{kind}"' for kind in family.data_types)
+        allowed = " or ".join(f'"{name}"' for name in family.data_types)
         yield ConfigIssue("data.type", f'"{data["type"]}" data cannot train a {family.name} model; use {allowed}')
-    if data["type"] in ("image", "tokens") and data["path"] is None:
-        needs = "an imagefolder or cifar-10-batches-py directory" if data["type"] == "image" else "token files"
-        yield ConfigIssue("data.path", f"{data['type']} data needs a path ({needs})")
+    if kind.path_needed is not None and data["path"] is None:
+        yield ConfigIssue("data.path", f"{data['type']} data needs a path ({kind.path_needed})")
     for key in ("path", "validation_path"):
         paths = data[key] if isinstance(data[key], list) else [data[key]]
         for index, path in enumerate(paths):
-            streamed = key == "path" and data["streaming"]
-            if path is not None and data["type"] != "synthetic" and not _exists(path, data["type"], streamed):
+            if path is not None and not kind.path_exists(key, path, data):
                 where = f"data.{key}" if not isinstance(data[key], list) else f"data.{key}[{index}]"
                 yield ConfigIssue(where, f"{path!r} does not exist")
     tokenizer = data["tokenizer"]
-    if data["type"] in ("text", "tokens") and tokenizer not in ("char", "byte") and not os.path.isdir(tokenizer):
+    # model.init_from's own directory is refused there when missing (engine/config/pretrained.py), save
+    # by `plan` before the download.
+    pretrained = tokenizer == document["model"].get("init_from")
+    if kind.reads_tokenizer and tokenizer not in ("char", "byte") and not pretrained and not os.path.isdir(tokenizer):
         yield ConfigIssue("data.tokenizer", f'{tokenizer!r} is neither "char", "byte" nor a tokenizer directory')
-    yield from _check_blend(data)
-    yield from _check_streaming(data)
-
-
-def _exists(path: str, data_type: str, streamed: bool) -> bool:
-    """A Megatron dataset is named by its prefix (`corpus_text_document` stands for its .bin and .idx);
-    a streamed corpus may be a Hugging Face Hub dataset id."""
-    if os.path.exists(path) or (data_type == "tokens" and os.path.exists(path + ".bin")):
-        return True
-    if streamed:
-        from data.streaming import is_hub_id
-
-        return is_hub_id(path)
-    return False
-
-
-def _check_blend(data: dict) -> Iterator[ConfigIssue]:
-    weights = data["weights"]
-    if weights is None:
-        return
-    if data["type"] != "tokens":
-        yield ConfigIssue("data.weights", f'blends token files; data.type "{data["type"]}" has none to blend')
-        return
-    paths = data["path"] if isinstance(data["path"], list) else [data["path"]]
-    if len(weights) != len(paths):
+    vocab = family.architecture(document["model"]).get("vocab_size", AUTO) if family.uses_vocabulary else AUTO
+    if kind.reads_tokenizer and tokenizer == "byte" and vocab != AUTO and vocab < 256:
         yield ConfigIssue(
-            "data.weights", f"{len(weights)} weight(s) for {len(paths)} data.path entries; give one weight per entry"
+            "model.vocab_size", f'{vocab} is smaller than the byte tokenizer\'s 256 tokens; use 256 or "auto"'
         )
-    for index, weight in enumerate(weights):
-        if weight <= 0:
-            what = f" ({paths[index]!r})" if index < len(paths) else ""
+    for path, message in kind.config_issues(data):
+        yield ConfigIssue(path, message)
+    yield from _keys_of_other_kinds(data, kind.name, kind.schema)
+
+
+def _keys_of_other_kinds(data: dict, name: str, own: Mapping[str, Any]) -> Iterator[ConfigIssue]:
+    """A key only other kinds read, set away from its default, would be silently ignored: refused."""
+    for key, schema in kind_schema().items():
+        if key not in own and data[key] != schema.get("default"):
+            readers = " and ".join(f'"{kind.name}"' for kind in KINDS.values() if key in kind.schema)
             yield ConfigIssue(
-                f"data.weights[{index}]", f"{weight} is not positive; the blend entry{what} needs a weight > 0"
+                f"data.{key}", f'only data.type {readers} reads it, and data.type "{name}" would ignore it; remove it'
             )
-
-
-def _check_streaming(data: dict) -> Iterator[ConfigIssue]:
-    if not data["streaming"]:
-        return
-    if data["type"] != "text":
-        yield ConfigIssue("data.streaming", f'streams raw text; data.type "{data["type"]}" is read as it is')
-        return
-    if data["tokenizer"] == "char":
-        yield ConfigIssue(
-            "data.tokenizer",
-            '"char" builds its vocabulary from the whole corpus, which streaming never holds; use "byte" or a '
-            "Hugging Face tokenizer directory",
-        )
-    if data["validation_path"] is None:
-        yield ConfigIssue(
-            "data.validation_path",
-            "streaming needs held-out text to evaluate on (a stream has no end to hold out); name a file or files",
-        )
-    if data["num_workers"]:
-        yield ConfigIssue(
-            "data.num_workers",
-            "streaming reads in the training process, so that each checkpoint records exactly what was read; set 0",
-        )
 
 
 def check_trainer(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
@@ -519,6 +544,7 @@ RULES: tuple[Rule, ...] = (
     check_zero,
     check_scheduler,
     check_model,
+    check_lora,
     check_data,
     check_trainer,
     check_nonfinite,

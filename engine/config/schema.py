@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from data.kinds import KINDS, kind_schema
 from engine.config.deepspeed_schema import MODEL_SECTIONS, TIMER_SECTIONS, model_schema
 from models import FAMILIES
+from models.lora import LORA_SCHEMA
 
 AUTO = "auto"
 
@@ -762,9 +764,13 @@ _MODEL_COMMON = {
     "init_from": {
         "type": ["string", "null"],
         "description": "Local directory of weights to start from (an HF checkpoint for GPT and Llama, an engine "
-        "export for ResNet).",
+        "export for ResNet). GPT and Llama: as from_pretrained does, its config.json alone decides the "
+        "architecture (model.preset is optional and gives way to it; a field written here that disagrees with it "
+        "is an error), and where it holds tokenizer files and data.tokenizer is not given, they are the tokenizer.",
         "default": None,
     },
+    # Every family's, so that a family without a LoRA form refuses it by name (engine/config/rules.py).
+    "lora": dict(LORA_SCHEMA),
 }
 
 _MODEL = {
@@ -772,9 +778,14 @@ _MODEL = {
     "description": "What to train. Fields depend on the family.",
     "properties": {
         "family": _MODEL_COMMON["family"],
-        "preset": {"type": "string", "description": "Size preset of the family."},
+        "preset": {
+            "type": "string",
+            "description": "Size preset of the family; required unless model.init_from names an HF checkpoint "
+            "(GPT, Llama), whose config.json decides the architecture.",
+        },
     },
-    "required": ["family", "preset"],
+    # model.preset's requirement depends on model.init_from's directory: engine/config/pretrained.py.
+    "required": ["family"],
     "allOf": [
         # Each family's own keys come from its module (`ModelFamily.model_schema`).
         _when("family", name, {"properties": {**_MODEL_COMMON, **family.model_schema}, "additionalProperties": False})
@@ -786,9 +797,11 @@ _DATA = _object(
     "What to train on. Sharded by data-parallel rank; every rank reads disjoint samples.",
     {
         "type": _enum(
-            ["text", "tokens", "image", "synthetic"],
-            "text (raw text, tokenized once into a cached token file) or tokens (token files already written: "
-            "nanoGPT's flat .bin, Megatron/GPT-NeoX .bin/.idx) for GPT and Llama, image for ResNet, synthetic for any.",
+            list(KINDS),
+            "What the data is (data/kinds/): text (raw text, tokenized once into a cached token file), tokens "
+            "(token files already written: nanoGPT's flat .bin, Megatron/GPT-NeoX .bin/.idx), chat (conversations: "
+            "records of messages) or instruction (prompt/completion pairs), rendered with a chat template, for GPT "
+            "and Llama; image for ResNet; synthetic for any.",
         ),
         "path": {
             "anyOf": [
@@ -799,20 +812,9 @@ _DATA = _object(
             "description": "text: .txt/.json/.jsonl/.parquet file(s), a directory of such files (each .txt file one "
             "document) or a save_to_disk directory; null: the embedded default corpus. tokens: a flat .bin "
             "(nanoGPT) or a Megatron indexed dataset (its prefix, or its .bin beside its .idx); several are blended "
-            "by data.weights. image: an imagefolder directory or a cifar-10-batches-py directory.",
-            "default": None,
-        },
-        "weights": {
-            "anyOf": [{"type": "array", "items": {"type": "number"}, "minItems": 1}, {"type": "null"}],
-            "description": "tokens: one positive weight per data.path entry; training samples are drawn from each in "
-            "these proportions, as Megatron blends its --data-path (normalised, so [3, 1] is [0.75, 0.25]). null: "
-            "in proportion to each file's samples.",
-            "default": None,
-        },
-        "dtype": {
-            "enum": [None, "uint8", "uint16", "int32", "uint32", "int64"],
-            "description": "tokens: the integer type of a flat .bin. null: what its metadata (this engine's "
-            "meta.json beside it) records, else uint16 as nanoGPT writes it. A Megatron .idx names its own.",
+            "by data.weights. chat and instruction: .jsonl/.json/.parquet file(s) of records, a directory of them or a "
+            "save_to_disk directory; null (chat): the project's chat sample, built from the embedded corpus. image: an "
+            "imagefolder directory or a cifar-10-batches-py directory.",
             "default": None,
         },
         "validation_path": {
@@ -821,45 +823,39 @@ _DATA = _object(
                 {"type": "array", "items": {"type": "string"}, "minItems": 1},
                 {"type": "null"},
             ],
-            "description": "tokens and streaming text: the held-out data, in the same form as data.path (nanoGPT's "
-            "val.bin, say). null: tokens hold out the last data.validation_fraction of each file; streaming text "
-            "needs it.",
+            "description": "tokens, chat, instruction and streaming text: the held-out data, in the same form as "
+            "data.path (nanoGPT's val.bin, say). null: tokens hold out the last data.validation_fraction of each file, "
+            "chat and instruction the last data.validation_fraction of the conversations (or a save_to_disk folder's "
+            "own validation split); streaming text needs it.",
             "default": None,
         },
         "tokenizer": {
             "type": "string",
             "description": '"char", "byte", or a local Hugging Face tokenizer directory. tokens: the tokenizer that '
             "wrote them, for the vocabulary and generation; a nanoGPT meta.pkl or this engine's meta.json beside "
-            'the file supplies it where this stays "char".',
+            'the file supplies it where this stays "char". chat and instruction: "byte" (with data.chat_template) or '
+            "a tokenizer directory, whose chat template renders the conversations.",
             "default": "char",
         },
         "cache_dir": {
             "type": "string",
-            "description": 'text: where tokenized corpora are cached, one folder per corpus and tokenizer. "auto": '
+            "description": "text, chat and instruction: where tokenized corpora are cached, one folder per corpus and "
+            'tokenizer (and chat template). "auto": '
             "$DSENGINE_DATA_CACHE, else ~/.cache/dsengine/tokens (node-local: each node builds its own once). A "
             "folder on storage every node shares is built once for all.",
             "default": AUTO,
         },
         "cache_timeout_s": _integer(
-            "text: how long a process waits for another one (on this node, or sharing cache_dir) to finish "
+            "text, chat and instruction: how long a process waits for another one (on this node, or sharing "
+            "cache_dir) to finish "
             "tokenizing the corpus before it gives up with an error.",
             3600,
             minimum=1,
         ),
-        "streaming": _boolean(
-            "text: read the corpus lazily with Hugging Face datasets' streaming, split over the data-parallel "
-            "ranks, tokenizing and packing as it goes; each checkpoint saves every rank's position. For corpora "
-            "that do not fit on local disk. Needs data.validation_path.",
-            False,
-        ),
-        "text_field": {
-            "type": "string",
-            "description": "Column holding the text in json/parquet data.",
-            "default": "text",
-        },
         "seq_len": _integer(
             "Input tokens per sample, each with the token after it as its label (so a sample is a window of "
-            'seq_len + 1 tokens); "auto": the model\'s context (GPT n_positions, Llama max_position_embeddings).',
+            "seq_len + 1 tokens); chat and instruction: the most tokens of a conversation, or of a packed sample. "
+            '"auto": the model\'s context (GPT n_positions, Llama max_position_embeddings).',
             AUTO,
             minimum=2,
             auto=True,
@@ -894,6 +890,7 @@ _DATA = _object(
             "default": [0.229, 0.224, 0.225],
         },
         "num_samples": _integer("Synthetic data: number of samples.", 1024, minimum=1),
+        **kind_schema(),
         "num_workers": _integer(
             "DataLoader worker processes per rank; 0 loads in the training process (no extra cores on CPU).",
             0,
@@ -1005,9 +1002,22 @@ _TRAINER = _object(
             10,
             minimum=0,
         ),
-        "export": _boolean("Write consolidated fp32 weights to <output_dir>/export at the end.", True),
+        "export": _boolean(
+            "Write consolidated fp32 weights to <output_dir>/export at the end (under model.lora: peft's adapter "
+            "directory, adapter_config.json and adapter_model.safetensors, on model.init_from's base).",
+            True,
+        ),
+        "export_merge_lora": _boolean(
+            "Under model.lora: the export is the base with the adapters merged into its weights (peft's "
+            "merge_and_unload), a model AutoModelForCausalLM loads alone, instead of the adapter directory.",
+            False,
+        ),
         "sample_tokens": _integer(
-            "GPT: characters/tokens of text sampled from the export at the end; 0: none.", 0, minimum=0
+            "GPT and Llama: tokens sampled from the export at the end (chat and instruction data: the reply to the "
+            "first validation conversation's turns before its last answer, rendered through the chat template); "
+            "0: none.",
+            0,
+            minimum=0,
         ),
         "progress_bar": _boolean("Rank 0 shows a progress bar.", True),
         "plots": _boolean(

@@ -34,7 +34,7 @@ class ModelSection:
     family's builder reads (its architecture keys are the family's own: models/<family>.py)."""
 
     family: str
-    preset: str
+    preset: str | None  # None where model.init_from's config.json decided the architecture
     activation_checkpointing: bool
     init_from: str | None
     fields: Mapping[str, Any]
@@ -43,11 +43,17 @@ class ModelSection:
     def from_document(cls, section: Mapping[str, Any]) -> ModelSection:
         return cls(
             family=section["family"],
-            preset=section["preset"],
+            preset=section.get("preset"),
             activation_checkpointing=section["activation_checkpointing"],
             init_from=section["init_from"],
             fields=MappingProxyType(dict(section)),
         )
+
+    @property
+    def label(self) -> str:
+        """How logs name the model: by the directory it starts from, which decides a GPT's or a
+        Llama's architecture whatever the preset, or by its preset."""
+        return f"{self.family} from {self.init_from}" if self.init_from is not None else f"{self.family} {self.preset}"
 
     @property
     def vocab_size(self) -> int | str | None:
@@ -81,6 +87,12 @@ class DataSection:
     num_samples: int
     num_workers: int
     pin_memory: bool
+    chat_template: str | None
+    train_on: str
+    packing: bool
+    excess_length_strategy: str
+    prompt_field: str
+    completion_field: str
 
     def as_mapping(self) -> dict[str, Any]:
         """The section as the data package reads it (data/ never imports the engine)."""
@@ -106,6 +118,7 @@ class TrainerSection:
     nonfinite: str
     max_skipped_steps: int
     export: bool
+    export_merge_lora: bool
     sample_tokens: int
     plots: bool
     peak_tflops: float | None

@@ -13,20 +13,11 @@ into bytes per layout by `data_memory`, as the micro-batch and the workers chang
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-
-import datasets
-import numpy as np
-from torch.utils.data import Dataset
+from dataclasses import dataclass
 
 from data import DataBundle
-from data.image import FolderImages, ImageDataset, TensorImages
+from data.kinds import get_kind
 from data.sharding import IN_MEMORY_ORDER_UP_TO
-from data.streaming import StreamedCorpus
-from data.synthetic import SyntheticImages, SyntheticTokens
-from data.text import PackedTokens
-from data.tokens.blend import BlendedTokens
 
 ORDER_BYTES = 8  # torch.randperm's int64 per sample
 # torch.utils.data.DataLoader's default: each worker keeps this many batches ready.
@@ -61,20 +52,12 @@ class DataMemory:
 
 
 def data_sizes(bundle: DataBundle) -> DataSizes:
-    """The sizes of the training and validation sets `bundle` holds. A streamed training corpus has
-    no length, so no epoch order, and is read in the training process, without DataLoader workers."""
-    streamed = isinstance(bundle.train, StreamedCorpus)
-    sample_bytes = 0 if streamed else sum(tensor.nbytes for tensor in bundle.train[0].values())
-    held = _Held()
-    for dataset in (bundle.train, bundle.validation):
-        held.add(dataset)
-    for table in held.tables.values():
-        # An imagefolder's table (paths and labels, in memory) and its image files, once however
-        # many splits index into it.
-        held.loaded += table.data.nbytes
-        held.mapped += _image_file_bytes(table)
-    samples = None if streamed else len(bundle.train)
-    return DataSizes(samples, sample_bytes, held.loaded, held.mapped, held.blend_index)
+    """The sizes of the training and validation sets `bundle` holds, as its data kind counts them
+    (data/kinds/). A streamed training corpus has no length, so no epoch order, and is read in the
+    training process, without DataLoader workers."""
+    footprint = get_kind(bundle.kind).footprint(bundle)
+    samples = None if bundle.streamed else len(bundle.train)
+    return DataSizes(samples, footprint.sample_bytes, footprint.loaded, footprint.mapped, footprint.blend_index)
 
 
 def data_memory(sizes: DataSizes, micro_batch: int, num_workers: int) -> DataMemory:
@@ -90,43 +73,3 @@ def data_memory(sizes: DataSizes, micro_batch: int, num_workers: int) -> DataMem
         loaded=sizes.loaded,
         shared=sizes.mapped,
     )
-
-
-@dataclass
-class _Held:
-    """The bytes behind the datasets added so far. Imagefolder tables are collected, not summed: the
-    training and validation splits of one folder share one."""
-
-    loaded: int = 0
-    mapped: int = 0
-    blend_index: int = 0
-    tables: dict[int, datasets.Dataset] = field(default_factory=dict)
-
-    def add(self, dataset: Dataset) -> None:
-        if isinstance(dataset, PackedTokens):
-            tokens = dataset.tokens
-            if isinstance(tokens, np.memmap):
-                self.mapped += tokens.nbytes
-            else:
-                self.loaded += tokens.nbytes
-        elif isinstance(dataset, BlendedTokens):
-            # Megatron's two blending indices, each rank's own: the source and the sample in it.
-            self.blend_index += dataset.dataset_index.nbytes + dataset.dataset_sample_index.nbytes
-            for source in dataset.sources:
-                self.add(source)
-        elif isinstance(dataset, ImageDataset) and isinstance(dataset.source, TensorImages):
-            self.loaded += dataset.source.images.nbytes + dataset.source.labels.nbytes
-        elif isinstance(dataset, ImageDataset) and isinstance(dataset.source, FolderImages):
-            self.tables[id(dataset.source.dataset)] = dataset.source.dataset
-        elif not isinstance(dataset, SyntheticTokens | SyntheticImages | StreamedCorpus):  # nothing that grows
-            raise TypeError(
-                f"the planner does not know how a {type(dataset).__name__} holds its samples; teach engine/plan/data.py"
-            )
-
-
-def _image_file_bytes(table: datasets.Dataset) -> int:
-    """The files an imagefolder table points at: decoded one at a time, read through the page cache.
-    An image whose bytes the table holds itself is already in `table.data.nbytes`."""
-    images = table.data.column("image").combine_chunks()
-    on_disk = images.filter(images.field("bytes").is_null())
-    return sum(os.path.getsize(path) for path in on_disk.field("path").to_pylist())

@@ -22,9 +22,10 @@ class Communication:
         return sum(self.data_parallel.values()) + self.tensor_parallel + self.pipeline
 
 
-def data_parallel_bytes(zero_stage: int, elements: int, element: int, dp: int) -> dict[str, int]:
+def data_parallel_bytes(zero_stage: int, elements: int, element: int, dp: int, frozen: int = 0) -> dict[str, int]:
     """ZeRO-0 all-reduces the gradients; ZeRO-1/2 reduce-scatter them and all-gather the updated
-    parameters; ZeRO-3 also all-gathers every parameter in forward and again in backward."""
+    parameters; ZeRO-3 also all-gathers every parameter in forward and again in backward, the `frozen`
+    ones (model.lora's base, which has no gradients) among them."""
     if dp == 1:
         return {}
     volume = elements * element
@@ -33,7 +34,8 @@ def data_parallel_bytes(zero_stage: int, elements: int, element: int, dp: int) -
         return {"all-reduce gradients": int(2 * ring * volume)}
     if zero_stage in (1, 2):
         return {"reduce-scatter gradients": int(ring * volume), "all-gather parameters": int(ring * volume)}
-    return {"reduce-scatter gradients": int(ring * volume), "all-gather parameters (fwd+bwd)": int(2 * ring * volume)}
+    gathered = 2 * ring * (elements + frozen) * element
+    return {"reduce-scatter gradients": int(ring * volume), "all-gather parameters (fwd+bwd)": int(gathered)}
 
 
 def tensor_parallel_bytes(layers: int, hidden: int, tokens: int, element: int, tensor: int, micro_batches: int) -> int:

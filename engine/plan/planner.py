@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -74,6 +75,8 @@ class Plan:
     data: DataMemory | None  # None: the plan was not given the data's sizes
     one_pool: bool  # no accelerator: the device is the host, and every byte a rank holds is host memory
     ranks_per_node: int
+    trainable: int = 0  # parameters that train, each tensor once (the whole model's, unsplit)
+    frozen: int = 0  # parameters that do not (model.lora's base)
 
     @property
     def device_peak(self) -> int:
@@ -217,6 +220,8 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     numels, parts, model = stage_numels(config, family)
     # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
     shapes = [tuple(p.shape) for p in unique_parameters([model]) if p.requires_grad]
+    # model.lora's frozen base, which combines with neither (engine/config/rules.py): every rank's.
+    frozen = [tuple(p.shape) for p in unique_parameters([model]) if not p.requires_grad]
     zero, optimizer = zero_settings(config, hardware.device_type != "cpu"), optimizer_kind(config)
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
@@ -245,15 +250,15 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
         if config.trainer.backend == "accelerate":
             offload = zero.offload_optimizer or zero.offload_param
             states = accelerate_state_bytes(
-                shapes, config.accelerate_wrapper, layout.world_size, where.data, optimizer, offload
+                shapes, config.accelerate_wrapper, layout.world_size, where.data, optimizer, offload, frozen
             )
         else:
-            states = state_bytes(groups, zero, layout.data, where.data, optimizer)
+            states = state_bytes(groups, zero, layout.data, where.data, optimizer, [math.prod(s) for s in frozen])
         # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
         in_flight = min(layout.pipeline - where.stage, accumulation)
         stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
         communication = Communication(
-            data_parallel_bytes(zero.stage, sum(stage), element, layout.data),
+            data_parallel_bytes(zero.stage, sum(stage), element, layout.data, sum(map(math.prod, frozen))),
             tensor_parallel_bytes(stage_blocks, estimate.hidden, estimate.tokens, element, layout.tensor, accumulation),
             pipeline_bytes(estimate.boundaries, element, where.stage, accumulation),
         )
@@ -282,6 +287,8 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
         memory,
         hardware.device_type == "cpu",
         hardware.local_world_size,
+        sum(math.prod(shape) for shape in shapes),
+        sum(math.prod(shape) for shape in frozen),
     )
 
 

@@ -24,7 +24,7 @@ def table(plan: Plan) -> str:
     swapping = plan.nvme_total > 0
     nvme_header = f" {'nvme':>12}" if swapping else ""
     lines = [
-        f"{config.model.family} {config.model.preset} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
+        f"{config.model.label} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
         f"{config.precision_label}, {config.trainer.backend} backend; optimizer states per rank: {plan.adam_share}",
         f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
         f"{'offloaded':>12}{nvme_header} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
@@ -53,6 +53,8 @@ def table(plan: Plan) -> str:
         f"({other} it: {format_bytes(max(r.activations_other for r in plan.ranks))} at most), "
         f"communication by ring collectives; pipeline bubble {plan.bubble:.1%}"
     )
+    if plan.frozen:
+        lines.append(adapters_line(plan))
     lines.append(data_line(plan))
     if swap_paths(config):
         lines.append(nvme_line(plan))
@@ -63,6 +65,23 @@ def table(plan: Plan) -> str:
             f"the busiest rank; {format_bytes(plan.host_total)} for {_node(plan)}, the data's shared pages once"
         )
     return "\n".join(lines)
+
+
+def adapters_line(plan: Plan) -> str:
+    """model.lora: what trains, and the frozen base, which holds parameters alone."""
+    config = plan.config
+    lora = config.model.fields["lora"]
+    targets = lora["target_modules"] if isinstance(lora["target_modules"], str) else ", ".join(lora["target_modules"])
+    share = plan.trainable / (plan.trainable + plan.frozen)
+    if config.trainer.backend == "accelerate":
+        where = "in fp32, whole on every rank" if config.zero_stage == 0 else "in fp32, in FSDP2's pieces"
+    else:
+        held = "partitioned over the data-parallel ranks" if config.zero_stage == 3 else "whole on every rank"
+        where = f"in {config.precision}, {held}"
+    return (
+        f"LoRA r {lora['r']} on {targets}: {plan.trainable:,} parameters train ({share:.2%}), with gradients and "
+        f"optimizer states; the {plan.frozen:,} frozen base parameters are held {where}, without either"
+    )
 
 
 def data_line(plan: Plan) -> str:
@@ -157,6 +176,8 @@ def explain(plan: Plan) -> str:
             f"{format_bytes(rank.activations)}; sends about {format_bytes(rank.communication.total)} per step"
             + "".join(f", {name} {format_bytes(size)}" for name, size in rank.communication.data_parallel.items())
         )
+    if plan.frozen:
+        lines.append(adapters_line(plan))
     lines.append(data_line(plan))
     if swap_paths(config):
         lines.append(_nvme_rules(plan))

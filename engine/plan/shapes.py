@@ -17,14 +17,17 @@ from torch import nn
 from engine.backends.optim import parameter_groups
 from engine.config import EngineConfig
 from models import ModelFamily
+from models.lora import apply_lora
 from models.tensor_parallel import TensorParallelPlan
 
 
 def build_on_meta(family: ModelFamily, section: Mapping[str, Any]) -> nn.Module:
-    """The model's shapes without its memory (a pretrained checkpoint has the configured shapes)."""
+    """The model's shapes without its memory (a pretrained checkpoint has the configured shapes), with
+    model.lora's adapters where it has them, its base frozen as training freezes it."""
     section = {key: value for key, value in section.items() if key != "init_from"}
     with torch.device("meta"):
-        return family.build(section)
+        model = family.build(section)
+        return model if section.get("lora") is None else apply_lora(model, section["lora"], seed=0)
 
 
 def sharded_parameters(model: nn.Module, plan: TensorParallelPlan | None, tensor: int) -> set[int]:

@@ -113,16 +113,39 @@ def aligned(count: int, multiple: int) -> int:
 
 
 def state_bytes(
-    groups: Sequence[Sequence[int]], zero: ZeroSettings, dp_size: int, dp_rank: int, optimizer: OptimizerKind
+    groups: Sequence[Sequence[int]],
+    zero: ZeroSettings,
+    dp_size: int,
+    dp_rank: int,
+    optimizer: OptimizerKind,
+    frozen: Sequence[int] = (),
 ) -> StateBytes:
     """One rank's model states: `groups` are the element counts of its trainable parameters (this
     stage's, this tensor shard's) per optimizer group, each once, in the order of the groups, which
     is the order ZeRO flattens. Every ZeRO optimizer flattens, pads and partitions each group on
     its own, so a rank's bytes are the sum of its groups'; ZeRO-3 too, except that its NVMe swap
-    buffers and `max_in_cpu` span all the groups."""
+    buffers and `max_in_cpu` span all the groups. `frozen`: the element counts of the parameters that
+    do not train (model.lora's base), which hold parameter bytes alone (`_frozen_bytes`)."""
     if zero.stage == 3:
-        return _zero3(groups, zero, dp_size, optimizer)
-    return _added([_group_bytes(numels, zero, dp_size, dp_rank, optimizer) for numels in groups])
+        trained = _zero3(groups, zero, dp_size, optimizer)
+    else:
+        trained = _added([_group_bytes(numels, zero, dp_size, dp_rank, optimizer) for numels in groups])
+    return _added([trained, _frozen_bytes(frozen, zero, dp_size)])
+
+
+def _frozen_bytes(numels: Sequence[int], zero: ZeroSettings, dp_size: int) -> StateBytes:
+    """Parameters no optimizer holds: no gradient, no master, no moments. engine.py
+    `_configure_distributed_model` casts the whole module to bf16/fp16, so they are held in the training
+    dtype; below ZeRO-3 whole on every rank. Under ZeRO-3, partition_parameters.py partitions every
+    parameter as `_zero3_parameters` counts it (a piece of numel/dp, the whole of a persistent one), but
+    stage3.py's flat buffers take the optimizer's groups only, so each frozen piece stays where
+    `zero.Init` put it: on the host under parameter offload (NVMe-swapped pieces counted as host memory)."""
+    size = element_bytes(zero.precision)
+    if zero.stage < 3:
+        return StateBytes(size * sum(numels), 0, 0, 0)
+    persistent = size * sum(numel for numel in numels if numel <= zero.persistence_threshold)
+    partition = size * sum(math.ceil(numel / dp_size) for numel in numels)
+    return StateBytes(partition + persistent, 0, 0, partition if zero.offload_param else 0)
 
 
 def _added(parts: Sequence[StateBytes]) -> StateBytes:
@@ -337,7 +360,13 @@ def _zero3_sub_group(sub: Sequence[Piece], zero: ZeroSettings, optimizer: Optimi
 
 
 def accelerate_state_bytes(
-    shapes: Sequence[Sequence[int]], wrapper: str, world_size: int, rank: int, optimizer: OptimizerKind, offload: bool
+    shapes: Sequence[Sequence[int]],
+    wrapper: str,
+    world_size: int,
+    rank: int,
+    optimizer: OptimizerKind,
+    offload: bool,
+    frozen: Sequence[Sequence[int]] = (),
 ) -> StateBytes:
     """One rank's model states under the accelerate backend, from the shapes of the model's trainable
     parameters. DDP holds everything whole. FSDP2 (torch's `fully_shard`) cuts each parameter on
@@ -353,16 +382,27 @@ def accelerate_state_bytes(
     - optimizer: torch's Adam allocates its moments like the rank's own rows (unpadded), and one
       step tensor per parameter.
 
-    Either offload key offloads all three (`CPUOffloadPolicy`: the optimizer steps on the host)."""
+    Either offload key offloads all three (`CPUOffloadPolicy`: the optimizer steps on the host).
+    `frozen`: the shapes of the parameters that do not train (model.lora's base): fp32 parameters
+    alone, whole under DDP, in the same padded pieces under FSDP2."""
     if wrapper == "ddp":
         total = sum(math.prod(shape) for shape in shapes)
-        return StateBytes(FP32_BYTES * total, FP32_BYTES * total, _moment_bytes(total, len(shapes), optimizer, True), 0)
+        base = FP32_BYTES * sum(math.prod(shape) for shape in frozen)
+        optimizer_bytes = _moment_bytes(total, len(shapes), optimizer, True)
+        return StateBytes(FP32_BYTES * total + base, FP32_BYTES * total, optimizer_bytes, 0)
+    padded, held = _fsdp_pieces(shapes, world_size, rank)
+    parameter = gradient = FP32_BYTES * padded
+    optimizer_bytes = _moment_bytes(held, len(shapes), optimizer, True)
+    base = FP32_BYTES * _fsdp_pieces(frozen, world_size, rank)[0]
+    offloaded = parameter + base + gradient + optimizer_bytes if offload else 0
+    return StateBytes(parameter + base, gradient, optimizer_bytes, offloaded)
+
+
+def _fsdp_pieces(shapes: Sequence[Sequence[int]], world_size: int, rank: int) -> tuple[int, int]:
+    """Elements of the padded pieces every rank allocates, and of the rows `rank` holds."""
     padded = held = 0
     for rows, *rest in shapes:
         piece = math.ceil(rows / world_size)
         padded += piece * math.prod(rest)
         held += max(0, min(piece, rows - rank * piece)) * math.prod(rest)
-    parameter = gradient = FP32_BYTES * padded
-    optimizer_bytes = _moment_bytes(held, len(shapes), optimizer, True)
-    offloaded = parameter + gradient + optimizer_bytes if offload else 0
-    return StateBytes(parameter, gradient, optimizer_bytes, offloaded)
+    return padded, held

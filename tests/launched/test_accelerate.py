@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +28,11 @@ from tests.support.compare import (
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import ROOT, free_port, launch, launch_accelerate, run_launcher, run_to_end
+from tests.support.launch import ROOT, Run, free_port, launch_accelerate, run_launcher, run_to_end
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.monitor import MONITORS, assert_monitor_holds
 from tests.support.reference import reference_run
+from tests.support.shared_runs import Trained
 
 CONFIGS = {"gpt": "configs/tiny_gpt.json", "llama": "configs/llama_tiny.json", "resnet": "configs/tiny_resnet.json"}
 # ResNet trains unclipped, as in test_parity.py: FSDP's norm summed from shards is 2.3e-6 off the
@@ -78,21 +80,41 @@ def parameter_elements_per_rank(stdout: str) -> tuple[list[int], int]:
 # with accumulation); Llama the one that shards its decoder layers, grouped-query attention and
 # untied head; GPT runs them all.
 FAMILY_WRAPPERS = {"llama": ("fsdp_full",), "resnet": ("ddp", "fsdp_full", "fsdp_full_accumulate")}
+# GPT under DDP is launched from the config file `engine accelerate-config` writes, and held to the
+# reference there (test_written_accelerate_config_file_launches_the_run).
+FROM_CONFIG_FILE = ("gpt", "ddp")
 CASES = [
     (family, wrapper)
     for family in sorted(CONFIGS)
     for wrapper in WRAPPERS
-    if family == "gpt" or wrapper.name in FAMILY_WRAPPERS[family]
+    if (family == "gpt" or wrapper.name in FAMILY_WRAPPERS[family]) and (family, wrapper.name) != FROM_CONFIG_FILE
 ]
+# Rows whose run the resume and reshape tests continue (tests/support/shared_runs.py): the same
+# wrapper, trained once, for six steps under a warm-up schedule with a checkpoint at step 3.
+SHARED = {("gpt", "fsdp_full"): "gpt_fsdp", ("resnet", "fsdp_full"): "resnet_fsdp"}
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("family,wrapper", CASES, ids=[f"{family}-{wrapper.name}" for family, wrapper in CASES])
-def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrapper, tmp_path: Path):
-    run = launch_accelerate(CONFIGS[family], {**wrapper.overrides, **FAMILY_OVERRIDES[family]}, tmp_path / "run")
-    overrides = {**wrapper.overrides, **FAMILY_OVERRIDES[family], "trainer.backend": "accelerate"}
+def test_accelerate_matches_single_process_and_shards(
+    family: str, wrapper: Wrapper, trained: Callable[[str], Trained], tmp_path: Path
+):
+    if (family, wrapper.name) in SHARED:
+        shared = trained(SHARED[family, wrapper.name])
+        run, overrides = shared.run, shared.overrides
+        assert overrides.items() >= {**wrapper.overrides, **FAMILY_OVERRIDES[family]}.items()
+    else:
+        overrides = {**wrapper.overrides, **FAMILY_OVERRIDES[family]}
+        run = launch_accelerate(CONFIGS[family], overrides, tmp_path / "run")
+    assert_matches_reference_and_shards(run, family, wrapper, overrides)
+
+
+def assert_matches_reference_and_shards(run: Run, family: str, wrapper: Wrapper, overrides: dict) -> None:
+    """The single-process reference's losses, gradient norms, weights and evaluation; the wrapper the
+    run reports, each rank's share of the parameters, and the plan's bytes per rank."""
+    overrides = {**overrides, "trainer.backend": "accelerate"}
     reference = reference_run(CONFIGS[family], overrides, world_size=2)
-    assert len(run.losses) == 5
+    assert len(run.losses) == len(reference.losses)
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_grad_norms_match(run.records, reference.grad_norms)
     assert_weights_match(run.exported_state_dict(), reference.model, WEIGHT_TOLERANCE)
@@ -111,17 +133,14 @@ def test_accelerate_matches_single_process_and_shards(family: str, wrapper: Wrap
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("stage", [3], ids=["fsdp_full"])
-def test_accelerate_resume_continues_exactly(stage: int, tmp_path: Path):
-    overrides = {
-        "zero_optimization.stage": stage,
-        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}},
-        "trainer.max_steps": 6,
-        "trainer.save_interval": 3,
-    }
-    straight = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "straight")
+def test_accelerate_fsdp_resume_continues_exactly(trained: Callable[[str], Trained], tmp_path: Path):
+    """FSDP (fully sharded) on 2 ranks resumed on its own layout from the step-3 checkpoint of the
+    uninterrupted run: the steps after it, the learning rates of its warm-up and the final weights,
+    bit for bit."""
+    fsdp = trained("gpt_fsdp")
+    straight = fsdp.run
     checkpoint = straight.output_dir / "checkpoints" / "step00000003"
-    resumed = launch_accelerate(CONFIGS["gpt"], {**overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
+    resumed = fsdp.launch_again({**fsdp.overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
     assert [record["step"] for record in resumed.records] == [4, 5, 6]
     assert resumed.losses == straight.losses[3:]
     assert [record["lr"] for record in resumed.records] == [record["lr"] for record in straight.records[3:]]
@@ -179,9 +198,10 @@ def test_written_accelerate_config_file_launches_the_run(tmp_path: Path):
     written = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert written.returncode == 0, written.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --config_file" in written.stdout
-    run = launch_accelerate(CONFIGS["gpt"], MONITORS, tmp_path / "run", config_file=config_file)
-    assert "accelerate backend: ddp on 2 process(es)" in run.stdout
-    assert len(run.losses) == 5
+    ddp = WRAPPERS[0]
+    overrides = {**ddp.overrides, **MONITORS}
+    run = launch_accelerate(CONFIGS["gpt"], overrides, tmp_path / "run", config_file=config_file)
+    assert_matches_reference_and_shards(run, "gpt", ddp, overrides)
     # Without a DeepSpeed engine the sink builds DeepSpeed's monitor itself, from the same keys.
     for key in ("loss", "lr", "eval_loss"):
         assert_monitor_holds(run.output_dir, key)
@@ -211,21 +231,23 @@ def test_launcher_precision_contradicting_the_config_is_refused(tmp_path: Path):
     assert message in result.stderr, result.stderr[-4000:]
 
 
-@pytest.mark.parametrize(
-    "overrides,expected",
-    [
-        ({"zero_optimization.stage": 1}, "zero_optimization.stage: FSDP has no optimizer-only sharding"),
-        ({"parallel.pipeline_parallel_size": 2}, "parallel.pipeline_parallel_size: pipeline and tensor parallelism"),
-        ({"fp16.enabled": True}, "fp16.enabled: the accelerate backend trains in fp32 or bf16"),
-    ],
-)
-def test_what_the_accelerate_backend_cannot_do_is_refused(overrides: dict, expected: str):
-    overrides = {**overrides, "trainer.backend": "accelerate"}
+# What the accelerate backend cannot honour, each key's problem: one `validate` reports them all at once.
+CANNOT = {
+    "zero_optimization.stage": (1, "zero_optimization.stage: FSDP has no optimizer-only sharding"),
+    "parallel.pipeline_parallel_size": (2, "parallel.pipeline_parallel_size: pipeline and tensor parallelism"),
+    "fp16.enabled": (True, "fp16.enabled: the accelerate backend trains in fp32 or bf16"),
+}
+
+
+def test_what_the_accelerate_backend_cannot_do_is_refused():
+    overrides = {**{key: value for key, (value, _) in CANNOT.items()}, "trainer.backend": "accelerate"}
     sets = [f"--set={key}={str(value).lower()}" for key, value in overrides.items()]
     command = [sys.executable, "-m", "engine", "validate", CONFIGS["gpt"], "--world-size", "2", "--no-hardware-check"]
     result = subprocess.run([*command, *sets], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert expected in result.stderr
+    assert f"({len(CANNOT)} problems)" in result.stderr, result.stderr[-3000:]
+    for _, expected in CANNOT.values():
+        assert expected in result.stderr
 
 
 def zero2_config(directory: Path) -> Path:
@@ -266,16 +288,19 @@ def deepspeed_plugin_yaml(directory: Path, deepspeed_config_file: Path, zero_sta
 
 
 @pytest.mark.launch
-def test_a_deepspeed_plugin_yaml_trains_on_deepspeed_as_the_deepspeed_launcher_does(tmp_path: Path):
+def test_a_deepspeed_plugin_yaml_trains_on_deepspeed_as_the_deepspeed_launcher_does(
+    trained: Callable[[str], Trained], tmp_path: Path
+):
+    """The same run as the deepspeed launcher's ZeRO-2 run of tests/support/shared_runs.py, loss for loss."""
+    deepspeed = trained("gpt_zero2")
     config = zero2_config(tmp_path)
     config_file = deepspeed_plugin_yaml(tmp_path, config, zero_stage=2)
-    run = launch_accelerate(str(config), {}, tmp_path / "accelerate", config_file=config_file)
+    run = launch_accelerate(str(config), deepspeed.overrides, tmp_path / "accelerate", config_file=config_file)
     resolved = json.loads((run.output_dir / "resolved_config.json").read_text())
     assert resolved["trainer"]["backend"] == "deepspeed" and resolved["zero_optimization"]["stage"] == 2
     assert "on 2 rank(s), deepspeed backend, ZeRO stage 2" in run.stdout, run.stdout[-3000:]
-    reference = launch(str(config), {}, tmp_path / "deepspeed")
-    assert len(run.losses) == 5
-    assert run.losses == reference.losses
+    assert len(run.losses) == deepspeed.overrides["trainer.max_steps"]
+    assert run.losses == deepspeed.run.losses
 
 
 @pytest.mark.launch

@@ -8,14 +8,16 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 import torch
 
 from engine.checkpoints.store import PARTIAL, latest_tag, step_tag
 from engine.launch.signals import EXIT_PREEMPTED
-from tests.support.launch import Run, deepspeed_launcher, launch, launch_accelerate, read_run, run_launcher, run_single
+from tests.support.launch import deepspeed_launcher, launch, read_run, run_launcher, run_single
 from tests.support.monitor import MONITORS, assert_monitors_rewound
+from tests.support.shared_runs import Trained
 
 GPT = "configs/tiny_gpt.json"
 # Dropout draws from every rank's generator each step: resumes are exact only if RNG states are.
@@ -87,85 +89,99 @@ def test_keep_checkpoints_prunes_older_saves(uninterrupted: Path):
     assert all((root / "step00000008" / "rng" / f"rank{rank}.pt").is_file() for rank in (0, 1))
 
 
-@pytest.mark.launch
-def test_a_run_killed_mid_training_resumes_bit_identically(uninterrupted: Path, tmp_path: Path):
-    killed = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, {"ENGINE_FAULT": "kill,rank=1,step=5"})
-    assert killed.returncode != 0
-    assert latest_tag(tmp_path / "checkpoints") == "step00000004"
-    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
-    assert_same_training(tmp_path, uninterrupted, from_step=4)
+def stop(run: dict, fault: str, output_dir: Path) -> CompletedProcess:
+    """`run` on 2 ranks under the deepspeed launcher with the fault ENGINE_FAULT injects, to its end."""
+    return run_launcher(deepspeed_launcher(2), GPT, run, output_dir, {"ENGINE_FAULT": fault})
+
+
+def assert_so_far_as_uninterrupted(output_dir: Path, uninterrupted: Path) -> None:
+    """The steps the metrics hold (rewound at each resume) are the uninterrupted run's, loss for loss:
+    a stopped run that was itself resumed trained its steps exactly too."""
+    losses = read_run(output_dir).losses
+    assert losses == read_run(uninterrupted).losses[: len(losses)], losses
+
+
+def assert_stopped_by_signal(stopped: CompletedProcess, fault: str, saved_at: int, output_dir: Path) -> None:
+    # The ranks exit 75 (saved on preemption); the deepspeed launcher passes that on, except when it
+    # was signalled itself (its own handler exits 1 once its ranks are gone).
+    assert stopped.returncode == (1 if "to=launcher" in fault else EXIT_PREEMPTED), stopped.stderr[-3000:]
+    assert latest_tag(output_dir / "checkpoints") == step_tag(saved_at)
+    assert f"saved step {saved_at} and stopped (exit code 75)" in stopped.stdout
+    assert read_run(output_dir).records[-1]["step"] <= saved_at
+
+
+# Each stop below is a launch, and a launch costs the CI machine 10-20 s: one run is stopped several
+# times, each time resumed from what the stop before left, so each resume both proves itself (its
+# steps up to the next stop are the uninterrupted run's) and meets the next fault.
 
 
 @pytest.mark.launch
-def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
-    """Rank 1 dies once its own files of the step-4 save are written, before the save is published."""
-    fault = {"ENGINE_FAULT": "kill,rank=1,step=4,at=save"}
-    killed = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, fault)
-    assert killed.returncode != 0
+def test_a_save_cut_short_leaves_the_previous_checkpoint_and_the_run_resumes_bit_identically(
+    uninterrupted: Path, tmp_path: Path
+):
+    """Three ways the step-4 save dies before it is published: rank 1 killed once its own files are
+    written; a second SIGTERM during the save, which ends the job at once; under trainer.async_save,
+    rank 1 SIGKILLed on its writer thread part-way through the files. Each leaves step 2 the latest,
+    and the run resumes from it to the uninterrupted run's steps and weights."""
     root = tmp_path / "checkpoints"
+    killed = stop(RUN, "kill,rank=1,step=4,at=save", tmp_path)
+    assert killed.returncode != 0
     assert latest_tag(root) == "step00000002"
     assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
-    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
+
+    resumed = {**RUN, "trainer.resume": True}
+    ended = stop(resumed, "signal,rank=1,step=4,at=save,sig=SIGTERM,times=2", tmp_path)
+    assert ended.returncode not in (0, EXIT_PREEMPTED)
+    assert latest_tag(root) == "step00000002"
+    assert not (root / "step00000004").exists()
+    assert_so_far_as_uninterrupted(tmp_path, uninterrupted)
+
+    background = {**resumed, "trainer.async_save": True}
+    killed = stop(background, "kill,rank=1,step=4,at=write", tmp_path)
+    assert killed.returncode != 0
+    assert "injects 'kill' at write 4" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert latest_tag(root) == "step00000002"
+    assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
+    assert_so_far_as_uninterrupted(tmp_path, uninterrupted)
+
+    launch(GPT, background, tmp_path)
     assert not (root / ("step00000004" + PARTIAL)).exists()  # the next save cleared it
     assert_same_training(tmp_path, uninterrupted, from_step=2)
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize(
-    "fault, saved_at, background",
-    [
-        # SIGUSR1 (SLURM's --signal) to rank 1 alone, as the evaluation after step 6 starts: cut short on
-        # every rank, then the step-6 save, written in the background and waited for, then the exit.
-        ("signal,rank=1,step=6,at=eval,sig=SIGUSR1", 6, True),
-        # SIGTERM to the deepspeed launcher after step 5, which passes it to every rank: step 5 is saved.
-        ("signal,rank=0,step=5,sig=SIGTERM,to=launcher", 5, False),
-        # SIGTERM while the step-4 save is being written: the save completes, and the run stops there.
-        ("signal,rank=1,step=4,at=save,sig=SIGTERM", 4, False),
-    ],
-    ids=["sigusr1-one-rank-mid-eval-async-save", "sigterm-launcher-mid-step", "sigterm-mid-save"],
-)
-def test_a_signal_saves_and_the_run_resumes_bit_identically(
-    fault: str, saved_at: int, background: bool, uninterrupted: Path, tmp_path: Path
+def test_signals_save_and_a_killed_run_keeps_its_last_save_each_resumed_bit_identically(
+    uninterrupted: Path, tmp_path: Path
 ):
-    run = {**RUN, "trainer.async_save": background}
-    stopped = run_launcher(deepspeed_launcher(2), GPT, run, tmp_path, {"ENGINE_FAULT": fault})
-    # The ranks exit 75 (saved on preemption); the deepspeed launcher passes that on, except when it
-    # was signalled itself (its own handler exits 1 once its ranks are gone).
-    assert stopped.returncode == (1 if "to=launcher" in fault else EXIT_PREEMPTED), stopped.stderr[-3000:]
-    assert latest_tag(tmp_path / "checkpoints") == step_tag(saved_at)
-    assert f"saved step {saved_at} and stopped (exit code 75)" in stopped.stdout
-    records = read_run(tmp_path).records
-    assert records[-1]["step"] <= saved_at and all("eval_loss" not in r for r in records if r["step"] == 6)
-    launch(GPT, {**run, "trainer.resume": True}, tmp_path)
-    # An evaluation cut short is not logged, so its monitor rows differ from the uninterrupted run's.
-    assert_same_training(tmp_path, uninterrupted, from_step=saved_at, monitors="at=eval" not in fault)
+    """Four stops in turn: SIGTERM while the step-4 save is written (the save completes, and the run
+    stops there); rank 1 SIGKILLed in step 5 (step 4 stays the latest); SIGTERM to the deepspeed
+    launcher after step 5, which passes it to every rank (step 5 is saved); SIGUSR1 (SLURM's
+    --signal) to rank 1 alone as the evaluation after step 6 starts (cut short on every rank, then
+    the step-6 save, written in the background and waited for, then the exit). The run resumed after
+    the last trains to the uninterrupted run's steps and weights."""
+    fault = "signal,rank=1,step=4,at=save,sig=SIGTERM"
+    assert_stopped_by_signal(stop(RUN, fault, tmp_path), fault, 4, tmp_path)
 
-
-@pytest.mark.launch
-def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(uninterrupted: Path, tmp_path: Path):
-    """trainer.async_save: rank 1 is SIGKILLed on its writer thread, part-way through the files of the
-    step-4 save. The save is never published; the run resumes from step 2."""
-    run = {**RUN, "trainer.async_save": True}
-    killed = run_launcher(deepspeed_launcher(2), GPT, run, tmp_path, {"ENGINE_FAULT": "kill,rank=1,step=4,at=write"})
+    resumed = {**RUN, "trainer.resume": True}
+    killed = stop(resumed, "kill,rank=1,step=5", tmp_path)
     assert killed.returncode != 0
-    assert "injects 'kill' at write 4" in (tmp_path / "logs" / "rank1.log").read_text()
-    root = tmp_path / "checkpoints"
-    assert latest_tag(root) == "step00000002"
-    assert (root / ("step00000004" + PARTIAL)).is_dir() and not (root / "step00000004").exists()
-    launch(GPT, {**run, "trainer.resume": True}, tmp_path)
-    assert_same_training(tmp_path, uninterrupted, from_step=2)
+    assert latest_tag(tmp_path / "checkpoints") == "step00000004"
+    assert_so_far_as_uninterrupted(tmp_path, uninterrupted)
 
+    fault = "signal,rank=0,step=5,sig=SIGTERM,to=launcher"
+    assert_stopped_by_signal(stop(resumed, fault, tmp_path), fault, 5, tmp_path)
+    assert_so_far_as_uninterrupted(tmp_path, uninterrupted)
 
-@pytest.mark.launch
-def test_a_second_signal_during_a_save_ends_at_once_leaving_the_last_checkpoint(uninterrupted: Path, tmp_path: Path):
-    fault = {"ENGINE_FAULT": "signal,rank=1,step=4,at=save,sig=SIGTERM,times=2"}
-    ended = run_launcher(deepspeed_launcher(2), GPT, RUN, tmp_path, fault)
-    assert ended.returncode not in (0, EXIT_PREEMPTED)
-    root = tmp_path / "checkpoints"
-    assert latest_tag(root) == "step00000002"
-    assert not (root / "step00000004").exists()
-    launch(GPT, {**RUN, "trainer.resume": True}, tmp_path)
-    assert_same_training(tmp_path, uninterrupted, from_step=2)
+    background = {**resumed, "trainer.async_save": True}
+    fault = "signal,rank=1,step=6,at=eval,sig=SIGUSR1"
+    assert_stopped_by_signal(stop(background, fault, tmp_path), fault, 6, tmp_path)
+    assert all("eval_loss" not in record for record in read_run(tmp_path).records if record["step"] == 6)
+    assert_so_far_as_uninterrupted(tmp_path, uninterrupted)
+
+    launch(GPT, background, tmp_path)
+    # An evaluation cut short is not logged, so the monitor rows differ from the uninterrupted run's
+    # (the test above holds them to it).
+    assert_same_training(tmp_path, uninterrupted, from_step=6, monitors=False)
 
 
 @pytest.mark.launch
@@ -202,25 +218,18 @@ def test_a_damaged_checkpoint_is_refused_before_any_process_group(uninterrupted:
     assert "Traceback" not in result.stderr and "init_distributed" not in result.stdout + result.stderr
 
 
-RESNET = "configs/tiny_resnet.json"
-RESNET_RUN = {"trainer.max_steps": 6, "trainer.save_interval": 3}
-
-
 @pytest.mark.launch
-@pytest.mark.parametrize(
-    "launcher,overrides",
-    [(launch, {"zero_optimization.stage": 2}), (launch_accelerate, {"zero_optimization.stage": 3})],
-    ids=["deepspeed_zero2", "accelerate_fsdp"],
-)
-def test_each_rank_resumes_its_own_batch_norm_statistics(launcher: Callable[..., Run], overrides: dict, tmp_path: Path):
+@pytest.mark.parametrize("name", ["resnet_zero2", "resnet_fsdp"], ids=["deepspeed_zero2", "accelerate_fsdp"])
+def test_each_rank_resumes_its_own_batch_norm_statistics(name: str, trained: Callable[[str], Trained], tmp_path: Path):
     """Every rank updates its running statistics from its own samples, and DeepSpeed's and torch's
     checkpoints keep one rank's; without the engine's per-rank copies, rank 1 resumed with rank 0's
     and the final evaluation differed (2.3349 against 2.3309 under DeepSpeed, 2.3300 against 2.3310
-    under FSDP)."""
-    straight = launcher(RESNET, {**RESNET_RUN, **overrides}, tmp_path / "straight")
-    checkpoint = tmp_path / "straight" / "checkpoints" / "step00000003"
+    under FSDP). The ResNet runs of tests/support/shared_runs.py, resumed on their own layout."""
+    source = trained(name)
+    straight = source.run
+    checkpoint = straight.output_dir / "checkpoints" / "step00000003"
     assert all((checkpoint / "buffers" / f"rank{rank}.pt").is_file() for rank in (0, 1))
-    resumed = launcher(RESNET, {**RESNET_RUN, **overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
+    resumed = source.launch_again({**source.overrides, "trainer.resume": str(checkpoint)}, tmp_path / "resumed")
     assert resumed.losses == straight.losses[3:]
     assert resumed.records[-1]["eval_loss"] == straight.records[-1]["eval_loss"]
 
@@ -242,18 +251,16 @@ def test_a_resume_on_a_corpus_with_other_characters_stops_before_any_process_gro
 
 
 @pytest.mark.launch
-def test_zero3_checkpoints_hold_the_gathered_weights_when_asked(tmp_path: Path):
+def test_zero3_checkpoints_hold_the_gathered_weights_when_asked(trained: Callable[[str], Trained]):
     """`stage3_gather_16bit_weights_on_model_save` puts DeepSpeed's gathered state dict in every
     checkpoint; at the last step it is the very weights the export holds. Saved in the background
-    (trainer.async_save): the gathered file, ZeRO-3's shards and the export read from them agree."""
-    overrides = {
-        "zero_optimization.stage": 3,
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save": True,
-        "trainer.max_steps": 2,
-        "trainer.async_save": True,
-    }
-    run = launch(GPT, overrides, tmp_path / "run")
-    gathered = torch.load(run.output_dir / "checkpoints" / "step00000002" / "pytorch_model.bin", weights_only=True)
+    (trainer.async_save): the gathered file, ZeRO-3's shards and the export read from them agree.
+    The ZeRO-3 run of tests/support/shared_runs.py, which asks for both."""
+    zero3 = trained("gpt_zero3")
+    asked = {"zero_optimization.stage3_gather_16bit_weights_on_model_save": True, "trainer.async_save": True}
+    assert zero3.overrides.items() >= asked.items()
+    run, last = zero3.run, step_tag(zero3.overrides["trainer.max_steps"])
+    gathered = torch.load(run.output_dir / "checkpoints" / last / "pytorch_model.bin", weights_only=True)
     exported = run.exported_state_dict()
     assert exported.keys() <= gathered.keys()
     for name, tensor in exported.items():

@@ -8,25 +8,34 @@ layouts."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.launch import Run, launch, launch_accelerate, read_run, run_single
+from tests.support.shared_runs import GPT, GPT_STEPS, PP2_TP2, RESNET, Trained
 
-GPT, LLAMA = "configs/tiny_gpt.json", "configs/llama_tiny.json"
-# A warm-up schedule, so a resume that lost the scheduler state would show in the learning rate.
-SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 4}}
-STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": SCHEDULE}
+# Six steps saved at step 3 under a warm-up schedule, as the shared runs the sources are
+# (tests/support/shared_runs.py): a resume that lost the scheduler state would show in the learning rate.
+STEPS = GPT_STEPS
 LOSS_TOLERANCE = 1e-5
 
 
 def resumed_from(
-    source: Run, overrides: dict, output_dir: Path, nproc: int, accelerate: bool = False, config: str = GPT
+    source: Run,
+    overrides: dict,
+    output_dir: Path,
+    nproc: int,
+    accelerate: bool = False,
+    config: str = GPT,
+    training: dict = STEPS,
 ) -> Run:
+    """`source` resumed from its step-3 checkpoint on the layout `overrides` give, with the training
+    settings `source` ran with."""
     checkpoint = source.output_dir / "checkpoints" / "step00000003"
-    overrides = {**STEPS, **overrides, "trainer.resume": str(checkpoint)}
+    overrides = {**training, **overrides, "trainer.resume": str(checkpoint)}
     if nproc > 1:
         if accelerate:
             return launch_accelerate(config, overrides, output_dir, nproc=nproc)
@@ -64,17 +73,14 @@ def assert_same_weights(resumed: Run, source: Run, atol: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def zero2(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(GPT, {**STEPS, "zero_optimization.stage": 2}, tmp_path_factory.mktemp("zero2"))
-
-
-# Two pipeline stages of two tensor shards each; ZeRO-1, the stage pipelines allow.
-PP2_TP2 = {"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2, "parallel.tensor_parallel_size": 2}
+def zero2(trained: Callable[[str], Trained]) -> Run:
+    return trained("gpt_zero2").run
 
 
 @pytest.fixture(scope="module")
-def pipeline_tensor(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(GPT, {**STEPS, **PP2_TP2}, tmp_path_factory.mktemp("pp2_tp2"), nproc=4)
+def pipeline_tensor(trained: Callable[[str], Trained]) -> Run:
+    """Two pipeline stages of two tensor shards each (PP2_TP2) on 4 ranks."""
+    return trained("gpt_pp2_tp2").run
 
 
 @pytest.mark.launch
@@ -107,13 +113,15 @@ def test_pipeline_and_tensor_shards_resume_as_one_process(pipeline_tensor: Run, 
 
 
 @pytest.mark.launch
-def test_llama_pipeline_and_tensor_shards_resume_as_one_process(tmp_path: Path):
+def test_llama_pipeline_and_tensor_shards_resume_as_one_process(trained: Callable[[str], Trained], tmp_path: Path):
     """Llama's pieces GPT has not: key/value projections split one head per shard, an untied head
     split by vocabulary rows on the last stage, rotary positions recomputed per stage. The universal
     conversion joins them into the one-process model, which trains on as the uninterrupted run."""
-    source = launch(LLAMA, {**STEPS, **PP2_TP2}, tmp_path / "pp2_tp2", nproc=4)
-    resumed = resumed_from(source, {"zero_optimization.stage": 1}, tmp_path / "single", nproc=1, config=LLAMA)
-    assert_continues(resumed, source)
+    source = trained("llama_pp2_tp2")
+    overrides = {"zero_optimization.stage": 1}
+    single = tmp_path / "single"
+    resumed = resumed_from(source.run, overrides, single, nproc=1, config=source.config, training=source.training)
+    assert_continues(resumed, source.run)
 
 
 @pytest.mark.launch
@@ -133,8 +141,8 @@ def test_zero2_on_two_ranks_resumes_as_zero3_on_one(zero2: Run, tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(GPT, {**STEPS, "zero_optimization.stage": 3}, tmp_path_factory.mktemp("zero3"))
+def zero3(trained: Callable[[str], Trained]) -> Run:
+    return trained("gpt_zero3").run
 
 
 @pytest.mark.launch
@@ -153,20 +161,19 @@ def test_zero3_on_two_ranks_resumes_as_zero1_or_zero2(zero3: Run, stage: int, np
 
 
 @pytest.mark.launch
-def test_zero3_sub_groups_each_keep_their_own_adam_step(tmp_path: Path):
-    """One optimizer group that ZeRO-3 steps in sub-groups, as it steps any model of more than
-    sub_group_size (1e9) elements. DeepSpeed's universal loader hands every sub-group the same step
-    tensor; without the engine's mend the loss was 3.2e-3 off by the second resumed step."""
-    one_group = {"trainer.weight_decay_on": "all"}
-    source = launch(GPT, {**STEPS, **one_group, "zero_optimization.stage": 2}, tmp_path / "zero2")
-    overrides = {**one_group, "zero_optimization.stage": 3, "zero_optimization.sub_group_size": 4096}
-    resumed = resumed_from(source, {**overrides, "gradient_accumulation_steps": 2}, tmp_path / "zero3", nproc=1)
-    assert_continues(resumed, source)
+def test_zero3_sub_groups_each_keep_their_own_adam_step(zero2: Run, tmp_path: Path):
+    """Optimizer groups that ZeRO-3 steps in several sub-groups each, as it steps any group of more
+    than sub_group_size (1e9) elements. DeepSpeed's universal loader hands every sub-group the same
+    step tensor; without the engine's mend (one step per sub-group, whatever its group) the loss was
+    3.2e-3 off by the second resumed step."""
+    overrides = {"zero_optimization.stage": 3, "zero_optimization.sub_group_size": 4096}
+    resumed = resumed_from(zero2, {**overrides, "gradient_accumulation_steps": 2}, tmp_path / "zero3", nproc=1)
+    assert_continues(resumed, zero2)
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch_accelerate(GPT, {**STEPS, "zero_optimization.stage": 3}, tmp_path_factory.mktemp("fsdp"))
+def fsdp(trained: Callable[[str], Trained]) -> Run:
+    return trained("gpt_fsdp").run
 
 
 # torch.distributed.checkpoint reshards on load, so the accelerate backend needs no conversion.
@@ -223,8 +230,8 @@ def test_deepspeed_checkpoint_resumes_under_accelerate(name: str, request: pytes
 
 
 @pytest.fixture(scope="module")
-def zero0(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(GPT, {**STEPS, "zero_optimization.stage": 0}, tmp_path_factory.mktemp("zero0"))
+def zero0(trained: Callable[[str], Trained]) -> Run:
+    return trained("gpt_zero0").run
 
 
 # fp32 ZeRO-0 keeps torch's own optimizer state, which DeepSpeed's converter does not read.
@@ -242,9 +249,6 @@ def test_zero0_checkpoint_resumes_on_another_layout(zero0: Run, name: str, tmp_p
     overrides, nproc, accelerate = ZERO0_RESHAPES[name]
     resumed = resumed_from(zero0, overrides, tmp_path / name, nproc=nproc, accelerate=accelerate)
     assert_continues(resumed, zero0)
-
-
-RESNET = "configs/tiny_resnet.json"
 
 
 # An accelerate checkpoint resumed under DeepSpeed, through a universal form made from it.
@@ -269,34 +273,31 @@ def test_accelerate_checkpoint_resumes_under_deepspeed(fsdp: Run, name: str, tmp
     assert_continues(resumed, fsdp)
 
 
-# (source launcher, source overrides, resume overrides, resume process count, resume under accelerate)
+# (the shared ResNet run resumed, resume overrides, resume process count, resume under accelerate):
+# ZeRO-2 on 2 ranks, two pipeline stages under ZeRO-1, FSDP on 2 ranks (tests/support/shared_runs.py).
 BATCH_NORM_RESHAPES = {
-    "zero2_as_zero1": (launch, {"zero_optimization.stage": 2}, {"zero_optimization.stage": 1}, 2, False),
-    "pipeline_as_accelerate": (
-        launch,
-        {"zero_optimization.stage": 1, "parallel.pipeline_parallel_size": 2},
-        {"zero_optimization.stage": 0},
-        1,
-        True,
-    ),
-    "fsdp_as_zero2": (launch_accelerate, {"zero_optimization.stage": 3}, {"zero_optimization.stage": 2}, 2, False),
+    "zero2_as_zero1": ("resnet_zero2", {"zero_optimization.stage": 1}, 2, False),
+    "pipeline_as_accelerate": ("resnet_pp2", {"zero_optimization.stage": 0}, 1, True),
+    "fsdp_as_zero2": ("resnet_fsdp", {"zero_optimization.stage": 2}, 2, False),
 }
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name", sorted(BATCH_NORM_RESHAPES))
-def test_batch_norm_statistics_survive_a_reshape(name: str, tmp_path: Path):
+def test_batch_norm_statistics_survive_a_reshape(name: str, trained: Callable[[str], Trained], tmp_path: Path):
     """The universal form holds parameters only, and DeepSpeed's universal load skips the module
     state: its ResNet resumed with fresh running statistics (an eval loss of 2.080 where the
     uninterrupted run had 2.159). The engine restores them from the saved module states, per
     tensor-parallel rank (ZeRO-2 on two ranks) or per pipeline layer, or from the engine state of
     an accelerate checkpoint's conversion, and, on as many ranks as saved them, each rank's own copy
     (`buffers/rank<R>.pt`): the evaluation matches too."""
-    source_launcher, saved, overrides, nproc, accelerate = BATCH_NORM_RESHAPES[name]
-    source = source_launcher(RESNET, {**STEPS, **saved}, tmp_path / "source")
-    resumed = resumed_from(source, overrides, tmp_path / "resumed", nproc=nproc, accelerate=accelerate, config=RESNET)
-    assert_continues(resumed, source)
-    assert resumed.records[-1]["eval_loss"] == pytest.approx(source.records[-1]["eval_loss"], abs=1e-5)
+    shared, overrides, nproc, accelerate = BATCH_NORM_RESHAPES[name]
+    source = trained(shared)
+    resumed = resumed_from(
+        source.run, overrides, tmp_path / "resumed", nproc, accelerate, config=RESNET, training=source.training
+    )
+    assert_continues(resumed, source.run)
+    assert resumed.records[-1]["eval_loss"] == pytest.approx(source.run.records[-1]["eval_loss"], abs=1e-5)
 
 
 @pytest.mark.launch

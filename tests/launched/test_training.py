@@ -4,9 +4,9 @@ bad input stopping a run before any process group starts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,9 +27,10 @@ from tests.support.compare import (
     assert_weights_match,
     max_loss_difference,
 )
-from tests.support.launch import ROOT, free_port, launch, read_run, run_single, run_to_end, set_arguments
+from tests.support.launch import ROOT, launch, read_run, run_single
 from tests.support.monitor import MONITORS, assert_monitor_holds, csv_values, monitor_dir
 from tests.support.reference import reference_run
+from tests.support.shared_runs import Trained
 
 GPT = "configs/tiny_gpt.json"
 RESNET = "configs/tiny_resnet.json"
@@ -205,21 +206,25 @@ def test_a_classifier_smaller_than_the_image_classes_stops_before_any_process_gr
 
 @pytest.mark.launch
 @pytest.mark.parametrize(
-    "launcher,command",
-    [("deepspeed", "+ deepspeed --num_gpus 2"), ("accelerate", "+ accelerate launch --num_processes 2")],
+    "launcher,command,shared",
+    [
+        ("deepspeed", "+ deepspeed --num_gpus 2", "resnet_zero2"),
+        ("accelerate", "+ accelerate launch --num_processes 2", "resnet_fsdp"),
+    ],
 )
-def test_launch_script_runs_two_cpu_processes(launcher: str, command: str, tmp_path: Path):
+def test_launch_script_runs_two_cpu_processes(
+    launcher: str, command: str, shared: str, trained: Callable[[str], Trained]
+):
     """launch.sh picks the launcher, and the backend follows it: both train the single-process
-    reference's numbers (unclipped ResNet, which every mode matches bit for bit: test_parity.py)."""
-    overrides = {"trainer.max_steps": 2, "gradient_clipping": 0.0}
-    sets = set_arguments({**overrides, "trainer.output_dir": tmp_path})
-    launch_script = ["./launch.sh", "--launcher", launcher, "--nproc", "2", "--master-port", str(free_port())]
-    result = run_to_end([*launch_script, RESNET, *sets], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert command in result.stderr
-    assert "on 2 rank(s)" in result.stdout + result.stderr
-    run = read_run(tmp_path)
+    reference's numbers (unclipped ResNet, which every mode matches bit for bit: test_parity.py).
+    The ResNet runs of tests/support/shared_runs.py (ZeRO-2, FSDP), which launch.sh starts."""
+    source = trained(shared)
+    assert source.spec.launch_script and source.spec.accelerate == (launcher == "accelerate")
+    run, overrides = source.run, source.overrides
+    assert command in run.stdout
+    assert "on 2 rank(s)" in run.stdout
     backend = "deepspeed" if launcher == "deepspeed" else "accelerate"
+    assert json.loads((run.output_dir / "resolved_config.json").read_text())["trainer"]["backend"] == backend
     reference = reference_run(RESNET, {**overrides, "trainer.backend": backend}, world_size=2)
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
     assert_weights_match(run.exported_state_dict(), reference.model, UNCLIPPED_WEIGHT_TOLERANCE)

@@ -85,6 +85,18 @@ def launch_accelerate(
     return _launch(launcher, config, overrides, output_dir, accelerate_env())
 
 
+def launch_script(launcher: str, config: str, overrides: dict[str, object], output_dir: Path, nproc: int = 2) -> Run:
+    """Train `config` through `./launch.sh --launcher LAUNCHER --nproc N`, the README's front door;
+    fail with its output. The run's `stdout` holds what the script printed on both streams (the
+    launcher command it ran goes to stderr)."""
+    options = ["--launcher", launcher, "--nproc", str(nproc), "--master-port", str(free_port())]
+    sets = set_arguments({**overrides, "trainer.output_dir": output_dir})
+    result = run_to_end(["./launch.sh", *options, config, *sets], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode != 0:
+        raise AssertionError(f"launch.sh exited {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+    return read_run(output_dir, result.stdout + result.stderr)
+
+
 def accelerate_launcher(nproc: int) -> list[str]:
     multi = ["--multi_gpu"] if nproc > 1 else []
     return ["accelerate", "launch", "--num_processes", str(nproc), *multi, "--main_process_port", str(free_port())]

@@ -4,18 +4,23 @@ renders, and a benchmark this machine cannot run is passed over without failing 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import data, gpu, hostcost, infinity, memory, nanogpt, optimizer_step, shakespeare, throughput
+from bench import data, gpu, hostcost, infinity, memory, nanogpt, optimizer_step, sft, shakespeare, throughput, trl_sft
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.trials import Pair, Side, run_overrides
+from data.chat.render import chat_format
+from data.corpus import CHAT_SAMPLE
+from data.loader import MicroBatchSampler
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import check_data
@@ -253,3 +258,100 @@ def test_data_benchmark_sizes_come_from_the_environment(
             data.sizes_mb()
     else:
         assert data.sizes_mb() == sizes
+
+
+@pytest.fixture(scope="session")
+def sft_base(tmp_path_factory) -> Path:
+    """The tiny Llama the sft benchmark fine-tunes, written as the benchmark writes it."""
+    return sft.base_model(tmp_path_factory.mktemp("sft"))
+
+
+def test_sft_windows_time_neither_start_up_nor_the_final_evaluation() -> None:
+    """Seven steps logged in windows of two: steps 3-4 and 5-6 are timed by the clock at steps 2, 4
+    and 6; steps 1-2 hold start-up, and step 7's record waits for the engine's final evaluation."""
+    trial = sft.Trial(times=[0.0, 10.0, 11.0, 13.0, 14.0, 18.0, 99.0], losses=[0.0] * 7, tokens=[5, 5, 6, 10, 4, 4, 5])
+    assert sft.window_rates(trial, 2) == [(6 + 10) / 3.0, (4 + 4) / 5.0]
+
+
+def test_sft_counts_the_conversation_tokens_of_the_engines_own_batches() -> None:
+    """A packed window counts its conversations' tokens, not its padding, and each step sums the
+    windows the engine's sampler (data/loader.py) draws for it, across epochs."""
+    lengths = np.array([3, 5, 2, 7, 4, 4])
+    per_window = sft.sample_tokens(lengths, np.array([0, 2, 3, 4, 6]))
+    assert per_window.tolist() == [8, 2, 7, 8]
+    assert sft.sample_tokens(lengths, None).tolist() == lengths.tolist()
+    sampler = MicroBatchSampler(len(per_window), micro_batch_size=1, grad_accum=2, dp_rank=0, dp_size=1, seed=3)
+    micro_batches = list(itertools.islice(iter(sampler), 10))  # 5 steps of 2 micro-batches: 2.5 epochs
+    drawn = [
+        sum(int(per_window[key % len(per_window)]) for key in micro_batches[i] + micro_batches[i + 1])
+        for i in range(0, 10, 2)
+    ]
+    assert sft.engine_step_tokens(per_window, 5, global_batch=2, seed=3) == drawn
+
+
+@pytest.mark.parametrize(
+    ("engine", "trl", "verdict"),
+    [
+        ([2.0], [2.1], None),
+        ([2.00, 2.04, 2.02], [2.05, 2.01, 2.03], True),
+        ([2.00, 2.01, 2.02], [2.10, 2.11, 2.12], False),
+    ],
+)
+def test_sft_loss_goal_is_judged_against_the_spread_over_seeds(engine, trl, verdict) -> None:
+    assert sft.within_seed_noise(engine, trl) is verdict
+
+
+def test_trl_is_given_the_engines_recipe(sft_base: Path, tmp_path: Path) -> None:
+    """bench/trl_sft.py's SFTConfig for the benchmark's launch: TRL's own checks accept it, and it
+    holds the engine's batch, sequence length, packing, loss, optimizer, clipping and seed; what it
+    cannot follow is refused, naming each setting."""
+    from trl import SFTConfig
+
+    sets = [*sft.recipe(sft_base), f"trainer.output_dir={tmp_path}"]
+    document = load_config(sft.CONFIG, sets, world_size=1, hardware=detect_hardware(local_world_size=1)).document
+    args = SFTConfig(**trl_sft.sft_arguments(document))
+    params, data_section = document["optimizer"]["params"], document["data"]
+    assert (args.learning_rate, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay) == (
+        params["lr"],
+        *params["betas"],
+        params["eps"],
+        params["weight_decay"],
+    )
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps, args.seed) == (
+        document["train_micro_batch_size_per_gpu"],
+        document["gradient_accumulation_steps"],
+        document["trainer"]["max_steps"],
+        document["trainer"]["seed"],
+    )
+    assert (args.max_length, args.packing, args.max_grad_norm) == (
+        data_section["seq_len"],
+        data_section["packing"],
+        document["gradient_clipping"],
+    )
+    assert args.assistant_only_loss and args.lr_scheduler_type == "constant" and args.warmup_steps == 0
+    assert not (args.bf16 or args.fp16 or args.activation_checkpointing)
+    with pytest.raises(ValueError, match=r"scheduler: .*; bf16, fp16, torch_autocast: fp32 only"):
+        trl_sft.sft_arguments({**document, "scheduler": {"type": "WarmupLR"}, "bf16": {"enabled": True}})
+
+
+def test_trl_template_trains_what_the_engine_trains(sft_base: Path) -> None:
+    """Over the whole chat sample: TRL's assistant mask under GENERATION_CHATML (its
+    `{% generation %}` blocks, read by transformers' apply_chat_template as TRL reads them) equals the
+    engine's loss mask under the base's own template, on the same ids, and both render the same text."""
+    from transformers import AutoTokenizer
+
+    records = trl_sft.training_records(CHAT_SAMPLE, validation_fraction=0.0)
+    tokenizer = AutoTokenizer.from_pretrained(sft_base)
+    trl_sft.check_same_text(tokenizer, trl_sft.GENERATION_CHATML, records)
+    conversations = [(record["messages"], f"record {number}") for number, record in enumerate(records, start=1)]
+    engine = chat_format(str(sft_base), None, "assistant").tokenize(conversations)
+    for (ids, mask), record in zip(engine, records, strict=True):
+        theirs = tokenizer.apply_chat_template(
+            record["messages"],
+            chat_template=trl_sft.GENERATION_CHATML,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        assert theirs["input_ids"] == ids.tolist()
+        assert theirs["assistant_masks"] == mask.tolist()

@@ -231,7 +231,7 @@ def test_the_sample_order_is_held_up_to_2_20_samples_and_computed_beyond(tmp_pat
     seq_len = 4
     train = PackedTokens(token_file(tmp_path / "train.bin", samples + seq_len), seq_len, stride=1)
     validation = PackedTokens(np.arange(100, dtype=np.int64), seq_len)  # an array in memory, not a map
-    bundle = DataBundle(train, validation, None, 256, None)
+    bundle = DataBundle("text", train, validation, None, 256, None)
     sizes = data_sizes(bundle)
     memory = data_memory(sizes, micro_batch=4, num_workers=0)
     assert sizes.samples == samples
@@ -272,7 +272,9 @@ def test_a_streamed_corpus_has_no_order_and_no_workers_only_its_mapped_validatio
     text is a prepared token file, mapped like any corpus."""
     validation = PackedTokens(token_file(tmp_path / "validation.bin", 500), 8)
     tokenizer = ByteTokenizer()
-    bundle = DataBundle(StreamedCorpus("corpus.txt", "text", tokenizer, 8), validation, tokenizer, 256, None)
+    bundle = DataBundle(
+        "text", StreamedCorpus("corpus.txt", "text", tokenizer, 8), validation, tokenizer, 256, None, streamed=True
+    )
     memory = data_memory(data_sizes(bundle), micro_batch=4, num_workers=2)
     assert (memory.order, memory.workers, memory.private, memory.shared) == (0, 0, 0, 500)
 
