@@ -2,10 +2,10 @@
 packed into windows of `seq_len` tokens.
 
 A sample holds `input_ids`, `labels` already shifted (labels[t] is the target of position t, the next
-token where the loss mask marks it, else -100) and `position_ids`. A conversation's last position
-predicts nothing: the token after it belongs to no one. Attention never crosses conversations:
-unpacked, each is alone in its row and padded on the right; packed, the positions restart at 0 at
-each one, and transformers builds the block-diagonal causal mask from them when no attention mask is
+token where the loss mask marks it, else -100), and packed, `position_ids`. A conversation's last
+position predicts nothing: the token after it belongs to no one. Attention never crosses
+conversations: unpacked, each is alone in its row and padded on the right; packed, the positions
+restart at 0 at each one, and transformers builds the block-diagonal causal mask from them when no attention mask is
 given (`masking_utils.find_packed_sequence_indices`; flash attention reads the same positions).
 """
 
@@ -131,8 +131,9 @@ def select(
 class PadToLongest:
     """Collates conversations of different lengths: each padded on the right to the longest rounded up
     to a multiple of PAD_MULTIPLE (never past `limit`, data.seq_len), padding labelled IGNORE_INDEX.
-    Position ids run on under the padding: right padding under causal attention is never seen by a
-    real token."""
+    No position ids: right padding under causal attention is never seen by a real token, and without
+    them the model keeps its plain causal attention (SDPA's `is_causal` kernels) rather than an
+    explicit mask."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -143,7 +144,6 @@ class PadToLongest:
         batch = {
             "input_ids": torch.full((len(samples), width), PAD_ID, dtype=torch.long),
             "labels": torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long),
-            "position_ids": torch.arange(width, dtype=torch.long).expand(len(samples), width).clone(),
         }
         for row, sample in enumerate(samples):
             length = len(sample["input_ids"])
@@ -165,7 +165,7 @@ class ConversationSamples(Dataset):
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         length = int(self.selection.lengths[index])
         ids, labels = self.conversations.sample(int(self.selection.indices[index]), length)
-        return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(length, dtype=torch.long)}
+        return {"input_ids": ids, "labels": labels}
 
 
 class PackedConversations(Dataset):

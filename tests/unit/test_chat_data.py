@@ -108,7 +108,7 @@ def test_the_mask_of_a_two_turn_conversation_is_the_assistants_answers_and_their
     expected = [ids[t + 1] if trained[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
     assert sample["input_ids"].tolist() == ids
     assert sample["labels"].tolist() == expected
-    assert sample["position_ids"].tolist() == list(range(len(ids)))
+    assert "position_ids" not in sample  # unpacked: the model's own causal attention, no explicit mask
     assert ids == tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
 
 
@@ -173,8 +173,9 @@ def test_packing_fills_windows_with_whole_conversations_and_pads_the_tail():
         for _ in range(int(packed.windows[index + 1] - packed.windows[index])):
             sample = alone[member]
             length = len(sample["input_ids"])
-            for key in ("input_ids", "labels", "position_ids"):
+            for key in ("input_ids", "labels"):
                 assert torch.equal(window[key][offset : offset + length], sample[key])
+            assert window["position_ids"][offset : offset + length].tolist() == list(range(length))
             offset, member = offset + length, member + 1
         assert (window["labels"][offset:] == IGNORE_INDEX).all()
         assert window["position_ids"][offset:].tolist() == list(range(1024 - offset))
@@ -189,13 +190,12 @@ def test_a_micro_batch_of_conversations_is_padded_to_a_multiple_of_8():
     batch = train.collate(samples)
     width = -(-max(lengths) // 8) * 8
     assert batch["input_ids"].shape == (3, width) and width <= BYTES and max(lengths) % 8
-    assert batch["position_ids"].tolist() == [list(range(width))] * 3
     for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
         assert torch.equal(batch["input_ids"][row, :length], sample["input_ids"])
         assert torch.equal(batch["labels"][row, :length], sample["labels"])
         assert (batch["labels"][row, length:] == IGNORE_INDEX).all()
     loaded = next(make_train_loader(train, micro_batch_size=4, grad_accum=1, dp_rank=0, dp_size=1, seed=0))
-    assert set(loaded) == {"input_ids", "labels", "position_ids"} and loaded["input_ids"].shape[1] % 8 == 0
+    assert set(loaded) == {"input_ids", "labels"} and loaded["input_ids"].shape[1] % 8 == 0
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -241,7 +241,7 @@ def test_packed_and_unpacked_batches_sum_the_same_loss_over_the_same_targets(lla
             validation.collate(samples) if hasattr(validation, "collate") else torch.utils.data.default_collate(samples)
         )
         with torch.no_grad():
-            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+            inputs = {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
             logits = model(**inputs, use_cache=False).logits
         labels = batch["labels"].reshape(-1)
         loss = F.cross_entropy(
