@@ -57,8 +57,8 @@ LORA_SCHEMA: Mapping[str, Any] = {
             ],
             "default": ALL_LINEAR,
             "description": 'Modules given adapters: names that module names end with (e.g. ["q_proj", "v_proj"]), '
-            'each of which must match some module; "all-linear": every linear layer but the output head, as peft '
-            "picks them.",
+            'each naming some linear layer or embedding of the model; "all-linear": every linear layer but the '
+            "output head, as peft picks them.",
         },
         "modules_to_save": {
             "type": "array",
@@ -90,7 +90,7 @@ def lora_config(section: Mapping[str, Any]) -> LoraConfig:
 def peft_model(model: nn.Module, section: Mapping[str, Any], seed: int) -> PeftModel:
     """peft's wrapper around `model`, its adapters drawn from `seed` alone: in a generator of their
     own, so they are the same on every rank and in every layout, whatever building the base drew
-    (a ZeRO-3 build draws on rank 0 only), and the global generator goes on as if they were not drawn."""
+    (a ZeRO-3 build may draw on rank 0 alone), and the global generator goes on as if they were not drawn."""
     from peft import get_peft_model
 
     with torch.random.fork_rng(devices=[]):
@@ -104,13 +104,17 @@ def apply_lora(model: nn.Module, section: Mapping[str, Any], seed: int) -> nn.Mo
     return peft_model(model, section, seed).get_base_model()
 
 
-def adaptable_names(model: nn.Module) -> list[str]:
-    """The distinct last parts of the names of the modules peft's LoRA can adapt (linear layers,
-    transformers' Conv1D, embeddings), for messages: e.g. q_proj, v_proj, lm_head."""
+# What peft's LoRA adapts of a transformers model: linear layers (GPT-2's as transformers' Conv1D) and embeddings.
+def _adaptable(module: nn.Module) -> bool:
     from transformers.pytorch_utils import Conv1D
 
-    kinds = (nn.Linear, Conv1D, nn.Embedding)
-    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, kinds)]
+    return isinstance(module, (nn.Linear, Conv1D, nn.Embedding))
+
+
+def adaptable_names(model: nn.Module) -> list[str]:
+    """The distinct last parts of the names of the layers peft's LoRA can adapt, for messages: e.g.
+    embed_tokens, q_proj, v_proj, lm_head."""
+    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules() if _adaptable(module)]
     return list(dict.fromkeys(names))
 
 
@@ -119,42 +123,27 @@ def target_problems(model: nn.Module, section: Mapping[str, Any]) -> list[tuple[
     `model` (the base, built on the meta device), as peft matches a list of names: a module whose name
     is it or ends with "." + it. peft itself refuses only a list none of which matches; a misspelt
     name beside a right one would train silently without its adapters."""
-    from transformers.pytorch_utils import Conv1D
-
-    adaptable = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, Conv1D))]
+    adaptable = [name for name, module in model.named_modules() if _adaptable(module)]
     every = [name for name, _ in model.named_modules() if name]
     available = ", ".join(adaptable_names(model))
     problems = []
     targets = section["target_modules"]
     for index, target in enumerate([] if targets == ALL_LINEAR else targets):
+        key = f"target_modules[{index}]"
         if not _matches(target, every):
-            problems.append(
-                (f"target_modules[{index}]", f"{target!r} matches no module of the model; its layers: {available}")
-            )
+            problems.append((key, f"{target!r} matches no module of the model; the layers LoRA adapts: {available}"))
         elif not _matches(target, adaptable):
-            problems.append(
-                (
-                    f"target_modules[{index}]",
-                    f"{target!r} names no linear layer, which LoRA adapts here; the linear layers: {available}",
-                )
-            )
+            problems.append((key, f"{target!r} names no layer LoRA adapts (linear layers, embeddings): {available}"))
+    # Any module trains whole: named by the last parts of the model's module names, less list indices.
+    modules = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in every if not name[-1].isdigit()))
     for index, name in enumerate(section["modules_to_save"]):
         if not _matches(name, every):
-            problems.append(
-                (f"modules_to_save[{index}]", f"{name!r} matches no module of the model; its layers: {available}")
-            )
+            problems.append((f"modules_to_save[{index}]", f"{name!r} matches no module of the model: {modules}"))
     return problems
 
 
 def _matches(target: str, names: list[str]) -> bool:
     return any(name == target or name.endswith("." + target) for name in names)
-
-
-def trainable_and_frozen(model: nn.Module) -> tuple[int, int]:
-    """Elements of the parameters that train and of those frozen, each tensor once."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    return trainable, frozen
 
 
 def export_adapter(
@@ -180,13 +169,10 @@ def _check_adapter_state(wrapper: PeftModel, state: Mapping[str, torch.Tensor]) 
     expected = {name: p.shape for name, p in wrapper.named_parameters() if p.requires_grad}
     missing = sorted(set(expected) - set(state))
     wrong = sorted(name for name in set(expected) & set(state) if state[name].shape != expected[name])
-    if missing or wrong:
-        raise ValueError(
-            "the checkpoint's adapter does not match model.lora: "
-            + "; ".join(
-                f"{label}: {', '.join(names[:5])}" for label, names in (("missing", missing), ("wrong shape", wrong)) if names
-            )
-        )
+    problems = [(label, names) for label, names in (("missing", missing), ("wrong shape", wrong)) if names]
+    if problems:
+        listed = "; ".join(f"{label}: {', '.join(names[:5])}" for label, names in problems)
+        raise ValueError(f"the checkpoint's adapter does not match model.lora: {listed}")
 
 
 def merged_model(base: nn.Module, section: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -210,4 +196,3 @@ def load_adapter(base: nn.Module, adapter_dir: Path) -> nn.Module:
 
 def is_adapter_export(export_dir: Path) -> bool:
     return all((export_dir / name).is_file() for name in ADAPTER_FILES)
-

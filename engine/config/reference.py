@@ -27,6 +27,11 @@ def _rows(prefix: str, schema: dict, condition: str = "") -> Iterator[tuple[str,
             yield (path, "object", "", sub.get("description", "") + condition)
             yield from _rows(path, sub, condition)
             continue
+        if "object" in sub.get("type", ()) and "properties" in sub:
+            # An optional section (model.lora): null, or an object of the keys listed after it.
+            yield (path, describe(sub), json.dumps(sub.get("default")), sub.get("description", "") + condition)
+            yield from _rows(path, sub, condition)
+            continue
         default = json.dumps(sub["default"]) if "default" in sub else ""
         yield (path, describe(sub), default, sub.get("description", "") + condition)
     for branch in schema.get("allOf", []):

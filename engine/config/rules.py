@@ -340,7 +340,8 @@ def check_lora(document: dict, world_size: int, hardware: Hardware | None) -> It
     if model.get("lora") is None:
         if document["trainer"]["export_merge_lora"]:
             yield ConfigIssue(
-                "trainer.export_merge_lora", "true merges model.lora's adapters, and model.lora is null; set it to false"
+                "trainer.export_merge_lora",
+                "true merges model.lora's adapters, and model.lora is null; set it to false",
             )
         return
     family = get_family(model["family"])
@@ -348,8 +349,8 @@ def check_lora(document: dict, world_size: int, hardware: Hardware | None) -> It
         adapted = ", ".join(name for name, entry in FAMILIES.items() if entry.lora)
         yield ConfigIssue(
             "model.lora",
-            f"{family.name} models have no LoRA form here (peft adapts the linear layers of the {adapted} "
-            "decoders); remove model.lora",
+            f"{family.name} models have no LoRA form here (peft adapts the linear layers of decoders; the families "
+            f"with one: {adapted}); remove model.lora",
         )
         return
     if model["init_from"] is None:

@@ -778,6 +778,8 @@ _MODEL = {
     "description": "What to train. Fields depend on the family.",
     "properties": {
         "family": _MODEL_COMMON["family"],
+        # Listed here too, so that the config reference describes it once rather than per family.
+        "lora": _MODEL_COMMON["lora"],
         "preset": {
             "type": "string",
             "description": "Size preset of the family; required unless model.init_from names an HF checkpoint "

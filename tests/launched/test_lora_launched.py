@@ -1,11 +1,13 @@
 """LoRA in real launches on 2 gloo ranks: the tiny Llama that transformers wrote (model.init_from)
-fine-tuned with adapters on q_proj and v_proj, against one process that trains the same batches with
-plain transformers, peft and torch's AdamW. Under ZeRO-2 and ZeRO-3 (parameters and optimizer
-offloaded), DDP and FSDP2: the losses and the trained adapters within 1e-5; a checkpoint holds the
-adapters and their optimizer states alone, and the planned bytes (the frozen base as parameters
-alone) are the measured ones; the exported adapter, loaded by `PeftModel.from_pretrained` on the
-base, and the merged export, loaded by `AutoModelForCausalLM`, give the reference's logits; the
-tokenizer is saved with its chat template; a resume from a mid-run checkpoint is bit-exact."""
+fine-tuned with adapters on q_proj and v_proj on the project's chat sample (packed, rendered with the
+base's chat template), against one process that trains the same batches with plain transformers,
+peft and torch's AdamW. Under ZeRO-2 and ZeRO-3 (parameters and optimizer offloaded), DDP and FSDP2:
+the losses and the trained adapters within 1e-5; a checkpoint holds the adapters and their optimizer
+states alone, and the planned bytes (the frozen base as parameters alone) are the measured ones; the
+exported adapter, loaded by `PeftModel.from_pretrained` on the base, and the merged export, loaded by
+`AutoModelForCausalLM`, give the reference's logits; the tokenizer is saved with its chat template,
+and the end-of-run sample answers a validation conversation through it; a resume from a mid-run
+checkpoint is bit-exact."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from data import make_train_loader
+from data.corpus import CHAT_SAMPLE
 from engine.backends.optim import build_optimizer
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data
+from models.common import IGNORE_INDEX
 from tests.support.launch import Run, launch, launch_accelerate
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.pretrained import CHATML_TEMPLATE, write_tiny_llama
@@ -35,6 +39,7 @@ TARGETS = ["q_proj", "v_proj"]
 # Every ZeRO-3 parameter partitioned, the adapters too: under the resolved threshold (10 x the
 # width, 640 elements) the adapters (512 and 256 elements) would stay whole on every rank, and with
 # DeepSpeed's default (100,000) every parameter of this model would, and nothing would be gathered.
+ZERO2 = {"zero_optimization.stage": 2}
 ZERO3 = {
     "zero_optimization.stage": 3,
     "zero_optimization.stage3_param_persistence_threshold": 0,
@@ -51,10 +56,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def config(base: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     """configs/llama_tiny.json fine-tuning `base` (its directory decides the architecture and the
-    tokenizer) with LoRA r 8 on the attention's query and value projections."""
+    tokenizer) with LoRA r 8 on the attention's query and value projections, on the chat sample."""
     document = json.loads(Path("configs/llama_tiny.json").read_text())
     document["model"] = {"family": "llama", "init_from": str(base), "lora": {"r": 8, "target_modules": TARGETS}}
-    document["data"] = {"type": "text", "path": None, "tokenizer": str(base), "seq_len": 64}
+    document["data"] = {"type": "chat", "path": None, "seq_len": 256, "packing": True}
     document["trainer"].update({"max_steps": STEPS, "save_interval": 2})
     path = tmp_path_factory.mktemp("config") / "lora.json"
     path.write_text(json.dumps(document))
@@ -68,10 +73,11 @@ class Reference:
 
 
 def reference(config: str, base: Path, overrides: dict[str, object], cpu_adam: bool = False) -> Reference:
-    """One process training the run's batches: every rank's micro-batches of a step, one after the
-    other, with plain transformers and peft. torch's AdamW steps the adapters, or DeepSpeed's CPU Adam
-    where the run offloads the optimizer (DeepSpeed's host optimizer, whose arithmetic differs from
-    torch's in the last bit: the comparison measures what ZeRO does, not two Adam kernels)."""
+    """One process training the run's batches: every rank's micro-batches of a step, each packed
+    conversation run alone, with plain transformers and peft; the loss is the step's summed token loss
+    over its target tokens. torch's AdamW steps the adapters, or DeepSpeed's CPU Adam where the run
+    offloads the optimizer (DeepSpeed's host optimizer, whose arithmetic differs from torch's in the
+    last bit: the comparison measures what ZeRO does, not two Adam kernels)."""
     sets = [f"{key}={value}" for key, value in overrides.items()]
     resolved = load_config(config, sets, world_size=2, hardware=detect_hardware(local_world_size=2))
     document, seed = resolved.document, resolved.trainer.seed
@@ -89,18 +95,31 @@ def reference(config: str, base: Path, overrides: dict[str, object], cpu_adam: b
     ]
     losses = []
     for _ in range(STEPS):
+        batches = [next(loader) for loader in loaders]
+        targets = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
         total = 0.0
-        for loader in loaders:
-            batch = next(loader)
-            logits = model(input_ids=batch["input_ids"]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-            (loss / 2).backward()
-            total += loss.item() / 2
+        for ids, labels in conversations(batches):
+            summed = F.cross_entropy(model(input_ids=ids[None]).logits[0].float(), labels, reduction="sum")
+            (summed / targets).backward()
+            total += summed.item()
+        losses.append(total / targets)
         torch.nn.utils.clip_grad_norm_(trainable, document["gradient_clipping"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
     return Reference(model.eval(), losses)
+
+
+def conversations(batches: list[dict[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (ids, labels) of every conversation packed in `batches`, cut where the positions restart,
+    leaving out the windows' padding, which holds no target."""
+    found = []
+    for batch in batches:
+        for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"], strict=True):
+            starts = [*torch.nonzero(positions == 0).flatten().tolist(), len(positions)]
+            for start, end in zip(starts[:-1], starts[1:], strict=True):
+                if (labels[start:end] != IGNORE_INDEX).any():
+                    found.append((ids[start:end], labels[start:end]))
+    return found
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -126,7 +145,7 @@ def assert_adapter_matches(adapter: dict[str, torch.Tensor], expected: Reference
 
 @pytest.fixture(scope="module")
 def zero2(config: str, base: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return launch(config, {"zero_optimization.stage": 2}, tmp_path_factory.mktemp("zero2"))
+    return launch(config, {**ZERO2, "trainer.sample_tokens": 8}, tmp_path_factory.mktemp("zero2"))
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +182,29 @@ def test_zero2_trains_the_adapters_alone_and_exports_what_peft_loads(
     ]
     held = sum(group.numel() for part in partitions for group in part["single_partition_of_fp32_groups"])
     assert held == trainable  # 3,584 elements: already a multiple of ZeRO's alignment
-    assert_plan_matches_measured(zero2, config, {"zero_optimization.stage": 2}, world_size=2)
+    assert_plan_matches_measured(zero2, config, ZERO2, world_size=2)
 
 
 @pytest.mark.launch
-def test_zero3_with_offload_trains_as_one_process_and_exports_the_merged_model(
-    zero3: Run, config: str, base: Path
+def test_the_end_of_run_sample_answers_a_validation_conversation_through_its_template(
+    zero2: Run, config: str, base: Path
 ):
+    """The sample's prompt is the first validation conversation (the chat sample's last
+    data.validation_fraction) up to its last answer, as transformers renders it for inference: the
+    template with the assistant's turn opened."""
+    resolved = load_config(config, [], world_size=2, hardware=detect_hardware(local_world_size=2))
+    records = [json.loads(line) for line in CHAT_SAMPLE.read_text().splitlines()]
+    messages = records[int(len(records) * (1 - resolved.data.validation_fraction))]["messages"]
+    last_answer = max(index for index, message in enumerate(messages) if message["role"] == "assistant")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    prompt = tokenizer.apply_chat_template(messages[:last_answer], add_generation_prompt=True, tokenize=False)
+    heading = "sample, the reply to the first validation conversation"
+    assert heading in zero2.stdout
+    assert f"(rendered through the chat template up to its last answer):\n{prompt}" in zero2.stdout
+
+
+@pytest.mark.launch
+def test_zero3_with_offload_trains_as_one_process_and_exports_the_merged_model(zero3: Run, config: str, base: Path):
     expected = reference(config, base, ZERO3, cpu_adam=True)
     assert_losses_match(zero3, expected)
     export = zero3.output_dir / "export"
@@ -195,13 +230,47 @@ def test_a_zero3_lora_run_resumes_exactly(zero3: Run, config: str, tmp_path: Pat
         assert torch.equal(final[name], expected[name]), name
 
 
+@pytest.fixture(scope="module")
+def fsdp2(config: str, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return launch_accelerate(config, {"zero_optimization.stage": 3}, tmp_path_factory.mktemp("fsdp2"))
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("stage", [0, 3], ids=["ddp", "fsdp2"])
 def test_the_accelerate_backend_trains_the_adapters_as_one_process(
-    stage: int, adam_reference: Reference, config: str, tmp_path: Path
+    stage: int, adam_reference: Reference, config: str, request: pytest.FixtureRequest
 ):
     overrides = {"zero_optimization.stage": stage}
-    run = launch_accelerate(config, overrides, tmp_path)
+    if stage == 3:
+        run = request.getfixturevalue("fsdp2")
+    else:
+        run = launch_accelerate(config, overrides, request.getfixturevalue("tmp_path"))
     assert_losses_match(run, adam_reference)
     assert_adapter_matches(load_file(run.output_dir / "export" / "adapter_model.safetensors"), adam_reference)
     assert_plan_matches_measured(run, config, {**overrides, "trainer.backend": "accelerate"}, world_size=2)
+
+
+@pytest.mark.launch
+def test_an_fsdp2_lora_run_resumes_exactly(fsdp2: Run, config: str, tmp_path: Path):
+    """torch's distributed checkpoint of the adapters alone (ignore_frozen_params), loaded without the
+    frozen base's names: the steps after it and the adapter, bit for bit."""
+    checkpoint = fsdp2.output_dir / "checkpoints" / "step00000002"
+    assert not any(".lora_" not in key for key in torch_checkpoint_keys(checkpoint, "model."))
+    resumed = launch_accelerate(config, {"zero_optimization.stage": 3, "trainer.resume": str(checkpoint)}, tmp_path)
+    assert [record["step"] for record in resumed.records] == [3, 4]
+    assert resumed.losses == fsdp2.losses[2:]
+    final = load_file(resumed.output_dir / "export" / "adapter_model.safetensors")
+    expected = load_file(fsdp2.output_dir / "export" / "adapter_model.safetensors")
+    assert final.keys() == expected.keys()
+    for name in final:
+        assert torch.equal(final[name], expected[name]), name
+
+
+def torch_checkpoint_keys(checkpoint: Path, prefix: str) -> list[str]:
+    """The names under `prefix` that a torch distributed checkpoint holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    found = [key for key in keys if key.startswith(prefix)]
+    assert found, sorted(keys)[:5]
+    return found

@@ -9,12 +9,15 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
+from data.chat.prompt import reply_prompt
+from data.chat.samples import Conversations
 from engine.checkpoints.export import export_model, load_exported
 from engine.checkpoints.reshape import ReshapeError, SavedLayout, needs_conversion
 from engine.config import ConfigError, load_config
@@ -24,7 +27,7 @@ from engine.plan.planner import optimizer_kind, zero_settings
 from engine.plan.states import element_bytes, state_bytes
 from engine.prepare import check_lora_targets
 from models import get_family
-from models.lora import PEFT_PREFIX, apply_lora, lora_config, merged_model
+from models.lora import PEFT_PREFIX, apply_lora, export_adapter, lora_config, merged_model
 from tests.support.pretrained import write_tiny_llama
 
 LLAMA = "configs/llama_tiny.json"
@@ -101,10 +104,11 @@ def test_target_modules_that_match_nothing_name_the_model_layers(lora_config_fil
     issues = {issue.path: issue.message for issue in caught.value.issues}
     layers = "embed_tokens, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
     assert issues == {
-        "model.lora.target_modules[1]": f"'vproj' matches no module of the model; its layers: {layers}",
-        "model.lora.target_modules[2]": f"'norm' names no linear layer, which LoRA adapts here; the linear layers: "
-        f"{layers}",
-        "model.lora.modules_to_save[0]": f"'head' matches no module of the model; its layers: {layers}",
+        "model.lora.target_modules[1]": f"'vproj' matches no module of the model; the layers LoRA adapts: {layers}",
+        "model.lora.target_modules[2]": f"'norm' names no layer LoRA adapts (linear layers, embeddings): {layers}",
+        "model.lora.modules_to_save[0]": "'head' matches no module of the model: model, embed_tokens, layers, "
+        "self_attn, q_proj, k_proj, v_proj, o_proj, mlp, gate_proj, up_proj, down_proj, act_fn, input_layernorm, "
+        "post_attention_layernorm, norm, rotary_emb, lm_head",
     }
     check_lora_targets(load(lora_config_file, []))
 
@@ -170,9 +174,8 @@ def trained_lora_state(base: Path, lora: dict) -> dict[str, torch.Tensor]:
     no initialisation gives (lora_B starts at zero), so that a reload which kept initial values fails."""
     model = apply_lora(LlamaForCausalLM.from_pretrained(base, dtype=torch.float32), lora, seed=0)
     generator = torch.Generator().manual_seed(3)
-    return {
-        name: torch.randn(p.shape, generator=generator) * 0.05 for name, p in model.named_parameters() if p.requires_grad
-    }
+    trained = [(name, p.shape) for name, p in model.named_parameters() if p.requires_grad]
+    return {name: torch.randn(shape, generator=generator) * 0.05 for name, shape in trained}
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:
@@ -195,8 +198,9 @@ def test_the_exported_adapter_loads_on_its_base_with_peft(
     reference = peft_reference(tiny_llama, lora)
     reference.load_state_dict({PEFT_PREFIX + name: value for name, value in state.items()}, strict=False)
     reference.save_pretrained(tmp_path / "peft")
-    ours, peft_own = load_file(tmp_path / "adapter" / "adapter_model.safetensors"), load_file(
-        tmp_path / "peft" / "adapter_model.safetensors"
+    ours, peft_own = (
+        load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
     )
     assert ours.keys() == peft_own.keys()
     for name in ours:
@@ -205,7 +209,8 @@ def test_the_exported_adapter_loads_on_its_base_with_peft(
     loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tiny_llama), tmp_path / "adapter").eval()
     expected = logits_of(reference.eval())
     torch.testing.assert_close(logits_of(loaded), expected, rtol=0, atol=0)
-    torch.testing.assert_close(logits_of(load_exported(family, section, tmp_path / "adapter")), expected, rtol=0, atol=0)
+    as_engine_loads_it = load_exported(family, section, tmp_path / "adapter")
+    torch.testing.assert_close(logits_of(as_engine_loads_it), expected, rtol=0, atol=0)
 
     merged = export_model(family, state, section, tmp_path / "merged", merge_lora=True)
     assert merged.startswith("the LoRA adapter merged into the weights of")
@@ -226,9 +231,7 @@ def test_the_llama3_8b_lora_config_fits_a_node_of_80gib_gpus_before_its_weights_
     model.init_from not there: the 8B preset stands for it. LoRA r 16 on every linear layer of each of
     the 32 decoder layers adds r x (inputs + outputs) per projection; the rest is Llama 3 8B, frozen."""
     gpus = Hardware("cuda", True, True, cpu_count=16, local_world_size=8, name="NVIDIA H100 80GB HBM3")
-    config = load_config(
-        "configs/sft_llama3_8b_lora.json", [], world_size=8, hardware=gpus, pretrained_required=False
-    )
+    config = load_config("configs/sft_llama3_8b_lora.json", [], world_size=8, hardware=gpus, pretrained_required=False)
     plan = plan_run(config, gpus, None)
     hidden, kv, inner, layers, vocab, r = 4096, 1024, 14336, 32, 128256, 16
     projections = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden)] + [(hidden, inner)] * 2
@@ -239,3 +242,44 @@ def test_the_llama3_8b_lora_config_fits_a_node_of_80gib_gpus_before_its_weights_
     fits, text = verdict(plan, 80 * 2**30, None)
     assert fits, text
     assert f"LoRA r 16 on all-linear: {plan.trainable:,} parameters train" in table(plan)
+
+
+def test_gpt2s_conv1d_projections_take_adapters_that_export_and_merge(tmp_path: Path):
+    """GPT-2 keeps its projections in transformers' Conv1D (weights stored transposed), which peft
+    adapts with fan_in_fan_out: the exported adapter reloads on the base, and merges into it, with the
+    logits of the model that trained it."""
+    base_dir = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=128)).save_pretrained(
+        base_dir
+    )
+    lora = {**LORA, "target_modules": "all-linear"}
+    section = {"lora": lora, "init_from": str(base_dir)}
+    trained = apply_lora(GPT2LMHeadModel.from_pretrained(base_dir), lora, seed=0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in (p for p in trained.parameters() if p.requires_grad):
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    state = {name: p.detach().clone() for name, p in trained.named_parameters() if p.requires_grad}
+    assert any(".attn.c_attn.lora_A" in name for name in state) and not any("lm_head" in name for name in state)
+    expected = logits_of(trained.eval())
+
+    with torch.device("meta"):
+        meta = GPT2LMHeadModel(GPT2LMHeadModel.config_class.from_pretrained(base_dir))
+    export_adapter(meta, section, state, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base_dir), tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits_of(loaded), expected, rtol=0, atol=0)
+    merged = merged_model(GPT2LMHeadModel.from_pretrained(base_dir), section, state).eval()
+    torch.testing.assert_close(logits_of(merged), expected, rtol=0, atol=1e-5)
+
+
+def test_the_sample_prompt_is_a_conversation_up_to_its_last_answer():
+    """data/chat/prompt.py: the ids before the last run of targets, which the template renders as the
+    conversation up to its last answer with the assistant's turn opened; none where every token is a
+    target (data.train_on "all")."""
+    # Two conversations: system+user, answer, user, answer; then one trained on every token.
+    tokens = np.arange(14, dtype=np.uint16)
+    mask = np.array([0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1], dtype=np.uint8)
+    conversations = Conversations(tokens, mask, np.array([0, 10, 14]), (("sample.jsonl", 2),))
+    assert reply_prompt(conversations, 0) == [0, 1, 2, 3, 4, 5, 6]
+    assert reply_prompt(conversations, 1) is None
