@@ -153,9 +153,10 @@ def export_adapter(
     `state_dict` (the run's names: the base's, adapters added), written by peft's `save_pretrained` from a
     wrapper around `base` (the base built on the meta device: only its names and shapes are read), so
     that `PeftModel.from_pretrained(<model.init_from's model>, out_dir)` loads it. The config records
-    model.init_from as its base_model_name_or_path."""
+    model.init_from, made absolute, as its base_model_name_or_path: `AutoPeftModelForCausalLM` loads
+    the base from there wherever the export is read from (a relative path would be looked up on the Hub)."""
     wrapper = peft_model(base, section["lora"], seed=0)
-    wrapper.peft_config["default"].base_model_name_or_path = section["init_from"]
+    wrapper.peft_config["default"].base_model_name_or_path = str(Path(section["init_from"]).resolve())
     state = {PEFT_PREFIX + name: tensor for name, tensor in state_dict.items()}
     _check_adapter_state(wrapper, state)
     # save_embedding_layers False: "auto" would look the base up on the Hub to compare vocabularies,
