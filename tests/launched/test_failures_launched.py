@@ -27,7 +27,6 @@ from tests.support.launch import (
     deepspeed_launcher,
     launch_nodes,
     run_launcher,
-    run_single,
     set_arguments,
 )
 
@@ -129,13 +128,6 @@ def test_a_rank_lost_on_another_node_ends_this_node_too(tmp_path: Path):
     assert elapsed < JOB_END_LIMIT_S + 20, elapsed  # two launchers start side by side on 2 cores
     assert "was killed by SIGKILL" in nodes[1].output
     assert "rank 0: ending: rank 1 stopped answering" in nodes[0].output
-
-
-def test_single_process_runs_log_to_their_rank_file(tmp_path: Path):
-    result = run_single(GPT, {"trainer.max_steps": 1, "trainer.export": False}, tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "step=1 loss=" in result.stdout
-    assert "step=1 loss=" in (tmp_path / "logs" / "rank0.log").read_text()
 
 
 # A run far longer than any test: only a signal ends it.

@@ -127,10 +127,13 @@ def test_run_writes_its_metrics_through_deepspeeds_monitor(uninterrupted: Path):
 
 
 def test_single_process_without_launcher_trains(tmp_path: Path):
-    """`python engine/main.py` alone makes a world of one and trains the reference's numbers."""
+    """`python engine/main.py` alone makes a world of one, logs to its rank file as to the terminal,
+    and trains the reference's numbers."""
     result = run_single(GPT, {"trainer.max_steps": 3, "trainer.sample_tokens": 20}, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sample:" in result.stdout + result.stderr
+    assert "step=1 loss=" in result.stdout
+    assert "step=1 loss=" in (tmp_path / "logs" / "rank0.log").read_text()
     run = read_run(tmp_path)
     reference = reference_run(GPT, {"trainer.max_steps": 3}, world_size=1)
     assert max_loss_difference(run.losses, reference.losses) <= LOSS_TOLERANCE, (run.losses, reference.losses)
