@@ -329,4 +329,5 @@ def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> SavedLayout:
         None if streamed else len(bundle.train),
         streamed,
         lora=config.model.fields.get("lora") is not None,
+        sequence=layout.sequence,
     )

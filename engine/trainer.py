@@ -177,7 +177,7 @@ class Trainer:
         if description is not None:
             logger.write(description)
         layout = parallel_layout(config)
-        if layout.model_parallel:
+        if layout.model_parallel or layout.sequence > 1:
             logger.write(layout.describe(backend.stage_layers()))
         logger.write(
             f"training {config.model.label} on {config.world_size} rank(s), "

@@ -142,7 +142,44 @@ def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:
             "description": "Attention kernel used by transformers.",
             "default": "sdpa",
         },
+        "tiled_mlp": {
+            "type": "boolean",
+            "description": "Run each transformer block's MLP as DeepSpeed's TiledMLP (Arctic Long Sequence "
+            "Training): over a rank's tokens in ceil(tokens / width) pieces, first without keeping anything, then "
+            "again piece by piece in the backward pass. Only the MLP's input is kept; its intermediate "
+            "activations (GPT: the GELU's input and output, 8 x width per token; Llama: the SwiGLU gate, its SiLU, "
+            "the up projection and their product, 4 x intermediate_size per token: most of a layer's) exist for "
+            "one piece of about width tokens at a time instead of the whole sequence. Costs one more MLP forward "
+            "per step; for sequences much longer than the model is wide. DeepSpeed backend.",
+            "default": False,
+        },
+        "loss": {
+            "enum": ["full", "tiled"],
+            "description": '"full": the model computes the logits of every position, and the loss holds them in '
+            "fp32 with their gradient (8 bytes x vocabulary per token, gigabytes per sequence of a Llama 3 "
+            'vocabulary). "tiled": DeepSpeed\'s TiledFusedLogitsLoss (Arctic Long Sequence Training) computes '
+            "the head, the loss and its gradient piece by piece over the positions, each piece's fp32 logits at "
+            "most 1 GiB, dropping each piece's logits before the next: the same loss and gradients, without the "
+            "whole logits. DeepSpeed backend, without tensor or pipeline parallelism.",
+            "default": "full",
+        },
     }
+
+
+# ALST's tiling (DeepSpeed's TiledMLP and TiledFusedLogitsLoss: model.tiled_mlp, model.loss "tiled"),
+# how many pieces a rank's tokens are cut into: what the runtime runs and the planner counts.
+LOSS_PIECE_BYTES = 2**30  # fp32 logits of one piece of the tiled loss, as ALST's recipes size them
+
+
+def tiled_mlp_pieces(tokens: int, hidden: int) -> int:
+    """TiledMLP's pieces of a sequence slice of `tokens`: ALST's ceil(tokens / hidden), so no piece's
+    intermediate activations outgrow the hidden states of the whole slice."""
+    return max(1, math.ceil(tokens / hidden))
+
+
+def tiled_loss_pieces(tokens: int, vocab: int) -> int:
+    """TiledFusedLogitsLoss's pieces of `tokens` positions: each piece's fp32 logits at most LOSS_PIECE_BYTES."""
+    return max(1, math.ceil(tokens * vocab * 4 / LOSS_PIECE_BYTES))
 
 
 def decoder_architecture(
@@ -170,6 +207,10 @@ def decoder_architecture(
 CAUSAL_SDPA = "engine_causal_sdpa"
 # The keyword under which `model_inputs` hands that mask through the model's forward to each attention.
 POSITIONS_MASK = "engine_positions_mask"
+# Under sequence parallelism (engine/parallel/sequence.py): the name DeepSpeed's Ulysses wraps, plain
+# SDPA on the whole gathered sequence, and the batch key of a slice's positions in the whole sequence.
+ULYSSES_SDPA = "engine_ulysses_sdpa"
+SHARD_POSITIONS = "shard_position_ids"
 
 
 def transformers_attention(name: str) -> str:
@@ -247,9 +288,12 @@ def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The token ids, and where the data gives position ids (chat and instruction data, restarting at
     each packed conversation) those and the mask that keeps attention within each conversation: built
     once per forward for CAUSAL_SDPA, which builds none (eager attention builds its own from the
-    position ids and ignores it)."""
+    position ids and ignores it). A sequence-parallel slice brings its positions in the whole sequence."""
     inputs = {"input_ids": batch["input_ids"]}
-    if "position_ids" in batch:
+    if SHARD_POSITIONS in batch:
+        # A slice of each sequence: Ulysses gathers the positions and masks the whole sequence causally.
+        inputs["position_ids"] = batch[SHARD_POSITIONS]
+    elif "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
         inputs[POSITIONS_MASK] = positions_causal_mask(batch["position_ids"])
     return inputs
@@ -494,24 +538,52 @@ def sequence_issues(data: Mapping[str, Any], context: int, context_field: str) -
 
 
 def decoder_activations(
-    shape: PlanShape, hidden: int, vocab: int, layer_factor: Callable[[int], float]
+    shape: PlanShape,
+    hidden: int,
+    vocab: int,
+    layer_factor: Callable[[int], float],
+    mlp_factor: Callable[[int], float],
+    attention_width: int,
 ) -> ActivationEstimate:
     """The planner's activation estimate for a decoder of width `hidden`: one transformer layer
     keeps tokens * hidden * `layer_factor(tensor)` bytes at 2 bytes per element and tensor-parallel
-    degree `tensor` (Korthikanti et al. 2022, arXiv:2205.05198, no sequence parallelism), scaled to
-    the training dtype; with activation checkpointing only each layer's input (one hidden state per
-    token) plus one layer recomputed at a time. The last stage adds the fp32 logits and their
-    gradient. Every stage boundary and tensor-parallel all-reduce moves one hidden state of the
-    micro-batch's tokens."""
-    tokens = shape.data["seq_len"] * shape.micro_batch
-    full_layer = int(tokens * hidden * layer_factor(shape.tensor) * shape.element / 2)
+    degree `tensor` (Korthikanti et al. 2022, arXiv:2205.05198, without Megatron's sequence
+    parallelism), scaled to the training dtype; with activation checkpointing only each layer's input
+    (one hidden state per token) plus one layer recomputed at a time. The last stage adds the fp32
+    logits and their gradient. Every stage boundary and tensor-parallel all-reduce moves one hidden
+    state of the micro-batch's tokens.
+
+    Under Ulysses (`shape.sequence` ranks) a rank holds seq_len / SP tokens of each sequence outside
+    attention and, inside it, the whole sequence for heads / SP of the heads: as many elements of
+    query, keys, values and output, so `tokens` is the rank's slice and `layer_factor` counts the
+    attention scores of the whole sequence per token of it. model.tiled_mlp: the MLP keeps only its
+    input (counted among the layer's whole tensors); its intermediate activations, `mlp_factor(tensor)`
+    of the layer's per token, exist for one piece (`tiled_mlp_pieces`) of one layer at a time, while
+    that piece is recomputed in the backward pass. model.loss "tiled": the logits of one piece
+    (`tiled_loss_pieces`) instead of all of them."""
+    slice_length = shape.data["seq_len"] // shape.sequence
+    tokens = slice_length * shape.micro_batch
+
+    def bytes_of(count: int, factor: float) -> int:
+        return int(count * hidden * factor * shape.element / 2)
+
+    layer, recomputed = bytes_of(tokens, layer_factor(shape.tensor)), 0
+    if shape.section.get("tiled_mlp", False):
+        piece = math.ceil(tokens / tiled_mlp_pieces(slice_length, hidden))
+        layer -= bytes_of(tokens, mlp_factor(shape.tensor))
+        recomputed = bytes_of(piece, mlp_factor(shape.tensor))
+    logit_tokens = tokens
+    if shape.section.get("loss", "full") == "tiled":
+        logit_tokens = math.ceil(tokens / tiled_loss_pieces(tokens, vocab))
 
     def stage_bytes(stage: int, layers: int, checkpointing: bool) -> int:
-        if checkpointing:
-            kept = layers * tokens * hidden * shape.element + (full_layer if layers else 0)
+        if not layers:
+            kept = 0
+        elif checkpointing:
+            kept = layers * tokens * hidden * shape.element + layer + recomputed
         else:
-            kept = layers * full_layer
-        logits = 2 * 4 * tokens * vocab // shape.tensor if stage == shape.stages - 1 else 0
+            kept = layers * layer + recomputed
+        logits = 2 * 4 * logit_tokens * vocab // shape.tensor if stage == shape.stages - 1 else 0
         return kept + logits
 
-    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1))
+    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1), attention_width)

@@ -18,6 +18,7 @@ from engine.config.rules import offloads
 from engine.observability.memory import StepWatch
 from engine.observability.step_phases import PhaseTimer
 from engine.parallel.layout import ParallelLayout
+from engine.parallel.sequence import SequenceShards
 from models import ModelFamily
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Backend(ABC):
     _timer: PhaseTimer | None = None
     # Where the training labels can hold IGNORE_INDEX: how a step divides each micro-batch's loss.
     target_count: TargetCount | None = None
+    # Under sequence parallelism: this rank's slice of every sequence (engine/parallel/sequence.py).
+    sequence: SequenceShards | None = None
 
     def train_step(self, batches: Iterator[Batch], timer: PhaseTimer | None = None) -> torch.Tensor:
         """One optimizer step over the next gradient_accumulation_steps micro-batches, its phases
@@ -137,12 +140,16 @@ class Backend(ABC):
         a target). Counting needs every label of the step before its first forward, so those
         micro-batches are taken up front, their copies (token ids) small beside a forward; the others
         move one at a time, as the step takes them."""
-        moved = (to_device(next(batches), self.device, self.input_dtype) for _ in range(count))
+        moved = (to_device(self.sliced(next(batches)), self.device, self.input_dtype) for _ in range(count))
         if self.target_count is None:
             return moved, None
         with self.phase("data"):
             taken = list(moved)
             return iter(taken), self.target_count.divisor(taken)
+
+    def sliced(self, batch: Batch) -> Batch:
+        """`batch`, or under sequence parallelism this rank's slice of it."""
+        return batch if self.sequence is None else self.sequence.shard(dict(batch))
 
     @property
     def timing(self) -> bool:

@@ -55,6 +55,7 @@ from engine.parallel.consolidate import (
     saved_fp16_optimizer_masters,
     tensor_names,
 )
+from engine.parallel.sequence import SequenceShards
 from models.common import persistent_buffers
 
 
@@ -368,8 +369,9 @@ def _mend_zero3_universal_load(optimizer: Any, decays: list[float]) -> None:
 
 
 class DeepSpeedBackend(DeepSpeedEngineBackend):
-    def __init__(self, model: torch.nn.Module, settings: BackendSettings):
+    def __init__(self, model: torch.nn.Module, settings: BackendSettings, sequence: SequenceShards | None = None):
         ds_config, grid = settings.deepspeed_config, settings.grid
+        self.sequence = sequence
         groups = parameter_groups(model.parameters(), ds_config["optimizer"], settings.weight_decay_on)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         self._groups = [[names[id(parameter)] for parameter in group["params"]] for group in groups]
@@ -382,7 +384,8 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             model=model,
             model_parameters=groups,
             config=ds_config,
-            mpu=grid,
+            # DeepSpeed learns the groups it reduces gradients over from the grid's or Ulysses' state.
+            mpu=grid if sequence is None else sequence.groups,
         )
         self.device, self.family, self.input_dtype, self.grid = (
             settings.device,
@@ -393,7 +396,13 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         self.hooks = settings.hooks
         self.write_in_background(settings)
         self._accumulation = self.engine.gradient_accumulation_steps()
-        if settings.masked_labels:
+        if sequence is not None:
+            # Every slice's loss is summed over the global batch's targets, whatever the data: a
+            # slice's own mean would weigh each slice as a whole sequence.
+            self.target_count = TargetCount(
+                self._accumulation, settings.layout.data, sequence.data_group, sequence.size
+            )
+        elif settings.masked_labels:
             # Under tensor parallelism the data-parallel group is the grid's, as DeepSpeed reduces over it.
             self.target_count = TargetCount(
                 self._accumulation, self.engine.dp_world_size, self.engine.data_parallel_group
@@ -432,6 +441,8 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
             with self.phase("forward"):
                 loss = self.hooks.on_loss(self.family.compute_loss(self.engine, batch, divisor))
             with self.phase("backward"):
+                if self.sequence is not None:
+                    loss = loss * self.sequence.grad_scale
                 self.engine.backward(self._fp16.scaled(loss) if self._fp16 else loss)
             if micro_step == self._accumulation - 1:
                 self._measure_norm()
@@ -440,6 +451,10 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
                 if self._fp16:
                     self._fp16.after_step()
             loss_sum += loss.detach().float()
+        if self.sequence is not None:
+            # Each slice's share of the sequence's loss: the mean over the ranks must count a whole
+            # sequence's once per data replica, as without slices.
+            loss_sum *= self.sequence.size / self.sequence.grad_scale
         return loss_sum / self._accumulation
 
     def eval_sums(self, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
@@ -447,7 +462,7 @@ class DeepSpeedBackend(DeepSpeedEngineBackend):
         totals: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for batch in batches:
-                sums = self.family.eval_sums(self.engine, to_device(batch, self.device, self.input_dtype))
+                sums = self.family.eval_sums(self.engine, to_device(self.sliced(batch), self.device, self.input_dtype))
                 for key, value in sums.items():
                     totals[key] = totals.get(key, 0) + value.detach().double()
         self.engine.train()

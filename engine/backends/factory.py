@@ -21,6 +21,7 @@ from engine.backends.pipeline_backend import PipelineBackend
 from engine.config import EngineConfig
 from engine.config.rules import labels_can_be_masked
 from engine.parallel.layout import parallel_layout
+from engine.parallel.sequence import enable_ulysses
 from engine.parallel.zero3_init import partition_built, partitioned_build
 from models import ModelFamily
 from models.lora import apply_lora
@@ -99,6 +100,11 @@ def with_adapters(model: torch.nn.Module, settings: BackendSettings) -> torch.nn
 
 def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[DeepSpeedEngineBackend, int]:
     layout = settings.layout
+    if layout.sequence > 1:
+        micro_batch = settings.deepspeed_config["train_micro_batch_size_per_gpu"]
+        shards = enable_ulysses(model, layout.sequence, micro_batch, settings.zero_stage)
+        # The ranks of one sequence-parallel group read their data replica's batches.
+        return DeepSpeedBackend(model, settings, shards), torch.distributed.get_rank() // layout.sequence
     if not layout.model_parallel:
         return DeepSpeedBackend(model, settings), torch.distributed.get_rank()
     # DeepSpeed's grid creates the data-, tensor- and pipeline-parallel groups from the topology.

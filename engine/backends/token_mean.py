@@ -33,13 +33,16 @@ class TargetCount:
 
     accumulation: int  # micro-batches per rank and step
     data_parallel: int  # ranks that read different micro-batches
-    group: dist.ProcessGroup | None  # those ranks' group (None: the default group)
+    # The ranks whose targets make up the global batch (None: the default group): the data-parallel
+    # ranks, and under sequence parallelism each one's sequence shards, which count their own slices.
+    group: dist.ProcessGroup | None
+    sequence: int = 1  # sequence shards per data-parallel rank
 
     def divisor(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The global batch's target tokens per micro-batch, on the device: one all-reduce of one
         integer over the data-parallel group, and no host read."""
         targets = torch.stack([(batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches]).sum()
-        if self.data_parallel > 1:
+        if self.data_parallel * self.sequence > 1:
             dist.all_reduce(targets, group=self.group)
         # A step without a single target (every answer truncated away) trains on nothing, not on 0 / 0.
         return (targets.clamp(min=1).double() / (self.accumulation * self.data_parallel)).float()

@@ -29,7 +29,7 @@ def check_intact(tag_dir: Path, layout: SavedLayout | None, others: list[str]) -
     if len(damaged) > 3:
         problems.append(f"and {len(damaged) - 3} more such files")
     if layout is not None:
-        problems += _missing_partitions(tag_dir, layout.data)
+        problems += _missing_partitions(tag_dir, layout.zero_ranks)
     if problems:
         instead = f"; resume from an earlier one ({', '.join(others)}) or" if others else ";"
         raise ValueError(

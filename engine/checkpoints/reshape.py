@@ -51,12 +51,18 @@ class SavedLayout:
     train_samples: int | None
     streamed: bool = False
     lora: bool = False
+    sequence: int = 1  # parallel.sequence_parallel_size
+
+    @property
+    def zero_ranks(self) -> int:
+        """The ranks ZeRO partitioned over: every data replica's sequence shards."""
+        return self.data * self.sequence
 
     def describe(self) -> str:
-        return (
-            f"{self.backend} backend, ZeRO-{self.zero_stage}, data x pipeline x tensor = "
-            f"{self.data} x {self.pipeline} x {self.tensor}"
-        )
+        grid = f"data x pipeline x tensor = {self.data} x {self.pipeline} x {self.tensor}"
+        if self.sequence > 1:
+            grid = f"data x sequence = {self.data} x {self.sequence}"
+        return f"{self.backend} backend, ZeRO-{self.zero_stage}, {grid}"
 
     def to_json(self) -> str:
         """The text of `layout.json` (keys in field order)."""
@@ -87,6 +93,7 @@ _OLDER_FILES: dict[str, Any] = {
     "train_samples": None,
     "streamed": False,
     "lora": False,
+    "sequence": 1,
 }
 
 
@@ -244,13 +251,14 @@ def converts(saved: SavedLayout, current: SavedLayout) -> bool:
     if saved.backend == current.backend == "accelerate":
         return False
     same_partitions = all(getattr(saved, key) == getattr(current, key) for key in ("pipeline", "tensor", "zero_stage"))
-    # ZeRO-0 keeps whole optimizer states, which load at any data-parallel size. Anything else goes
-    # through the universal form, which holds every parameter whole: DeepSpeed cuts it into any
-    # partitions, torch into any accelerate wrapper's pieces.
+    # ZeRO-0 keeps whole optimizer states, which load at any data-parallel size; ZeRO's partitions load
+    # where as many ranks hold them, whichever split the sequences. Anything else goes through the
+    # universal form, which holds every parameter whole: DeepSpeed cuts it into any partitions, torch
+    # into any accelerate wrapper's pieces.
     return not (
         saved.backend == current.backend == "deepspeed"
         and same_partitions
-        and (saved.data == current.data or saved.zero_stage == 0)
+        and (saved.zero_ranks == current.zero_ranks or saved.zero_stage == 0)
     )
 
 
