@@ -131,7 +131,7 @@ def _validate(args: argparse.Namespace) -> int:
     for notice in config.notices:
         print(notice)
     layout = parallel_layout(config)
-    if layout.model_parallel:
+    if layout.model_parallel or layout.sequence > 1:
         print(layout.describe())
     if args.print_resolved:
         print(json.dumps(doc, indent=2))

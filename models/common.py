@@ -178,7 +178,8 @@ def tiled_mlp_pieces(tokens: int, hidden: int) -> int:
 
 
 def tiled_loss_pieces(tokens: int, vocab: int) -> int:
-    """TiledFusedLogitsLoss's pieces of `tokens` positions: each piece's fp32 logits at most LOSS_PIECE_BYTES."""
+    """The tiled loss's pieces of `tokens` positions (models/tiling.py): each piece's fp32 logits at most
+    LOSS_PIECE_BYTES."""
     return max(1, math.ceil(tokens * vocab * 4 / LOSS_PIECE_BYTES))
 
 

@@ -78,7 +78,8 @@ class PlanShape:
 
     `section` is the model section with its vocabulary settled, `data` the resolved data section;
     `model` is the whole model on the meta device, cut into `stages` pipeline stages at `parts`
-    (stage s holds layers parts[s] to parts[s + 1] - 1 of the family's pipeline form).
+    (stage s holds layers parts[s] to parts[s + 1] - 1 of the family's pipeline form). `sequence`
+    ranks split every sequence (Ulysses): each holds data.seq_len / sequence of its tokens.
     """
 
     section: Mapping[str, Any]
@@ -89,6 +90,7 @@ class PlanShape:
     tensor: int  # tensor-parallel degree
     micro_batch: int
     element: int  # bytes per activation element at the run's compute precision
+    sequence: int = 1  # sequence-parallel degree
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,16 @@ class ActivationEstimate:
 
     `stage_bytes(stage, blocks, checkpointing)`: the activations one micro-batch leaves for backward
     on one rank of `stage`, which holds `blocks` of the family's repeating blocks.
-    `tokens` and `hidden`: the positions of a micro-batch and the width of the hidden state that
-    tensor-parallel layers all-reduce (0 for a family without a tensor-parallel form).
+    `tokens` and `hidden`: the positions of a micro-batch on one rank (its slice of each sequence
+    under sequence parallelism) and the width of the hidden state that tensor-parallel layers
+    all-reduce (0 for a family without a tensor-parallel form).
     `boundaries[s]`: the elements stage s sends the next one per micro-batch.
+    `attention_width`: the elements per token of the query, keys, values and attention output that
+    sequence parallelism's all-to-alls move in each block (0 for a family without attention).
     """
 
     stage_bytes: Callable[[int, int, bool], int]
     tokens: int
     hidden: int
     boundaries: list[int]
+    attention_width: int = 0

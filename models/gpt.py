@@ -17,6 +17,7 @@ from models import common
 from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
 from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan
+from models.tiling import apply_tiling
 
 if TYPE_CHECKING:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -113,6 +114,13 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
 BUILDS_PARTITIONED = True
 # model.lora: peft adapts its linear layers (models/lora.py).
 LORA = True
+# parallel.sequence_parallel_size does not apply (tried: the first forward fails inside GPT2Attention).
+SEQUENCE_PARALLEL = False
+NO_SEQUENCE_PARALLEL = (
+    "transformers' GPT-2 attention reshapes what the attention function returns as (batch, tokens, heads, head "
+    "width), and DeepSpeed's Ulysses returns it with the heads already merged (batch, tokens, width); train a "
+    'Llama-architecture model (model.family "llama") for long sequences'
+)
 
 
 # Built, loaded from `model.init_from` and exported as HF's GPT-2 checkpoints: the tied embedding
@@ -126,7 +134,15 @@ CHECKPOINT = HFCheckpoint(
     tuple(BUILT_AS),
     _WTE,
 )
-build, check_init_from = CHECKPOINT.build, CHECKPOINT.check_init_from
+check_init_from = CHECKPOINT.check_init_from
+
+
+def build(section: Mapping[str, Any]) -> nn.Module:
+    model = CHECKPOINT.build(section)
+    apply_tiling(model, section)
+    return model
+
+
 export, load_export = CHECKPOINT.export, CHECKPOINT.load_export
 
 
@@ -205,14 +221,21 @@ def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
 def plan_activations(shape: PlanShape) -> ActivationEstimate:
     """Activations by formula: per transformer layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2
     bytes per element (Korthikanti et al. 2022, eq. 2 with tensor parallelism), as
-    `common.decoder_activations` scales and sums them."""
+    `common.decoder_activations` scales and sums them. The MLP's part, which model.tiled_mlp holds
+    for one piece at a time, is the GELU's input and output (16/t) and its dropout mask (1)."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["n_embd"], arch["n_head"], shape.data["seq_len"]
 
     def layer_factor(tensor: int) -> float:
         return 10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor)
 
-    return common.decoder_activations(shape, hidden, shape.section.get("vocab_size"), layer_factor)
+    def mlp_factor(tensor: int) -> float:
+        return 16 / tensor + 1
+
+    # Ulysses moves the query, key, value and attention output, each as wide as the model.
+    return common.decoder_activations(
+        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden
+    )
 
 
 # -- Parallel forms ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from models import common
 from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
 from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
 from models.tensor_parallel import TensorParallelPlan
+from models.tiling import apply_tiling
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedConfig
@@ -119,6 +120,10 @@ _CLASSES = {
 BUILDS_PARTITIONED = True
 # model.lora: peft adapts its linear layers (models/lora.py).
 LORA = True
+# parallel.sequence_parallel_size: DeepSpeed's Ulysses wraps its attention (engine/parallel/sequence.py),
+# splitting the query heads and the key/value heads of grouped-query attention across the group.
+SEQUENCE_PARALLEL = True
+ATTENTION_HEADS = ("num_attention_heads", "num_key_value_heads")
 CHECKPOINTS: Mapping[str, HFCheckpoint] = {
     name: HFCheckpoint(
         model_class=model_class,
@@ -137,7 +142,9 @@ def _checkpoint(section: Mapping[str, Any]) -> HFCheckpoint:
 
 
 def build(section: Mapping[str, Any]) -> nn.Module:
-    return _checkpoint(section).build(section)
+    model = _checkpoint(section).build(section)
+    apply_tiling(model, section)
+    return model
 
 
 def check_init_from(section: Mapping[str, Any]) -> None:
@@ -425,18 +432,27 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
     layer, in 2-byte elements per token of width h at tensor-parallel degree t: kept whole on every
     rank, the two RMSNorm inputs and the inputs of the q/k/v and gate/up projections (8h); split,
     the query (2h) and the key and value (4 * kv width) after rotation, the input of the output
-    projection (2h), the gate output, its SiLU, the up output and their product (8 * intermediate),
-    and the attention scores, softmax and dropout mask (5 * heads * seq_len); there is no residual
-    dropout. `common.decoder_activations` scales and sums them."""
+    projection (2h), the gate output, its SiLU, the up output and their product (8 * intermediate:
+    the MLP's part, which model.tiled_mlp holds for one piece at a time), and the attention scores,
+    softmax and dropout mask (5 * heads * seq_len); there is no residual dropout. Under sequence
+    parallelism DeepSpeed repeats each key/value head over SP / kv ranks where there are fewer than
+    SP of them, so a rank's keys and values are as wide as max(kv, SP) heads per token of its slice.
+    `common.decoder_activations` scales and sums them."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["hidden_size"], arch["num_attention_heads"], shape.data["seq_len"]
-    kv_width = arch["num_key_value_heads"] * (hidden // heads)
-    split = 4 * hidden + 4 * kv_width + 8 * arch["intermediate_size"]
+    kv_width = max(arch["num_key_value_heads"], shape.sequence) * (hidden // heads)
+    mlp = 8 * arch["intermediate_size"]
+    split = 4 * hidden + 4 * kv_width + mlp
 
     def layer_factor(tensor: int) -> float:
         return 8 + split / (hidden * tensor) + 5 * heads * seq_len / (hidden * tensor)
 
-    return common.decoder_activations(shape, hidden, shape.section.get("vocab_size"), layer_factor)
+    def mlp_factor(tensor: int) -> float:
+        return mlp / (hidden * tensor)
+
+    return common.decoder_activations(
+        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 2 * hidden + 2 * kv_width
+    )
 
 
 # -- Parallel forms ---------------------------------------------------------------------------

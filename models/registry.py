@@ -65,6 +65,11 @@ class ModelFamily:
     `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
     only ever holds its share of the weights (engine/parallel/zero3_init.py).
     `lora`: `model.lora` applies, peft adapting the model's linear layers (models/lora.py).
+    `sequence_parallel`: `parallel.sequence_parallel_size` applies, DeepSpeed's Ulysses splitting the
+    sequence across ranks and the attention by heads (engine/parallel/sequence.py); `attention_heads`
+    names the model-section fields of its query heads and key/value heads (the same field where
+    every head has its own keys and values), which the degree must split (engine/config/rules.py);
+    `no_sequence_parallel`, where it does not apply, says why.
     `export(state_dict, section, out_dir, class_names)` writes what the model's own library loads;
     `class_names`, the data's names for its labels where it has them, are for image classifiers, and
     a family trained on tokens refuses any.
@@ -114,6 +119,11 @@ class ModelFamily:
     shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
     builds_partitioned: bool
     lora: bool = False
+    sequence_parallel: bool = False
+    attention_heads: tuple[str, str] | None = None
+    no_sequence_parallel: str = (
+        "Ulysses splits the attention of a transformers decoder by heads, and this family's data has no token sequence"
+    )
 
 
 def _family(name: str, module: ModuleType) -> ModelFamily:
@@ -155,6 +165,9 @@ def _family(name: str, module: ModuleType) -> ModelFamily:
         shard_units=module.shard_units,
         builds_partitioned=module.BUILDS_PARTITIONED,
         lora=getattr(module, "LORA", False),
+        sequence_parallel=getattr(module, "SEQUENCE_PARALLEL", False),
+        attention_heads=getattr(module, "ATTENTION_HEADS", None),
+        **({"no_sequence_parallel": module.NO_SEQUENCE_PARALLEL} if hasattr(module, "NO_SEQUENCE_PARALLEL") else {}),
     )
 
 

@@ -108,9 +108,10 @@ def _drop_other_spellings(document: dict, path: tuple[str, ...]) -> None:
     search sets the engine's keys so on any config."""
     for key in {spelling.key for spelling in SPELLINGS if path in (spelling.key, spelling.path)}:
         for other in [key, *(spelling.path for spelling in SPELLINGS if spelling.key == key)]:
-            section = document.get(other[0])
-            if other == path or not isinstance(section, dict) or other[1] not in section:
+            # A section and its key, or a top-level key (DeepSpeed's sequence_parallel_size) alone.
+            section = document.get(other[0]) if len(other) > 1 else document
+            if other == path or not isinstance(section, dict) or other[-1] not in section:
                 continue
-            del section[other[1]]
-            if not section and other != key:
+            del section[other[-1]]
+            if not section and len(other) > 1 and other != key:
                 del document[other[0]]

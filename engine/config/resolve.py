@@ -100,11 +100,15 @@ class EngineConfig:
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed keys only, as `deepspeed.initialize(config=...)` takes them. `fused: false` stays in
         the document (resolved_config.json holds what ran) but is not handed on: torch reads fused=False
-        as "no foreach either" (torch/optim/adam.py), and DeepSpeed's own Adams take no such argument."""
+        as "no foreach either" (torch/optim/adam.py), and DeepSpeed's own Adams take no such argument.
+        Under sequence parallelism DeepSpeed's top-level `sequence_parallel_size` carries the degree: its
+        batch arithmetic counts world size / SP data-parallel ranks by it."""
         config = {key: copy.deepcopy(value) for key, value in self.document.items() if key in DEEPSPEED_PROPERTIES}
         params = config.get("optimizer", {}).get("params", {})
         if params.get("fused") is False:
             del params["fused"]
+        if self.parallel.sequence_parallel_size > 1:
+            config["sequence_parallel_size"] = self.parallel.sequence_parallel_size
         return config
 
     def with_vocab_size(self, vocab_size: int) -> EngineConfig:
@@ -129,9 +133,9 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
     _resolve_optimizer(doc, hardware)
     family = get_family(doc["model"]["family"])
     architecture = family.architecture(doc["model"])
-    _resolve_zero_buckets(
-        doc["zero_optimization"], family.hidden_size(architecture), data_parallel_size(doc, world_size)
-    )
+    # ZeRO reduces over every rank holding a copy of the weights: each data replica's sequence shards too.
+    zero_ranks = data_parallel_size(doc, world_size) * doc["parallel"]["sequence_parallel_size"]
+    _resolve_zero_buckets(doc["zero_optimization"], family.hidden_size(architecture), zero_ranks)
     if doc["gradient_clipping"] == AUTO:
         doc["gradient_clipping"] = 1.0
     if doc["data"]["seq_len"] == AUTO:

@@ -35,19 +35,26 @@ def _known(value: Any) -> Any:
     return None if value == AUTO else value
 
 
+def _split_ranks(parallel: Mapping[str, Any]) -> int:
+    """The ranks that share one data-parallel replica: its tensor shards, stages and sequence shards."""
+    return parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"] * parallel["sequence_parallel_size"]
+
+
 def data_parallel_size(document: dict, world_size: int) -> int:
-    parallel = document["parallel"]
-    return world_size // (parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"])
+    """Replicas that read different batches: world size / (tensor x pipeline x sequence)."""
+    return world_size // _split_ranks(document["parallel"])
 
 
 def check_parallel_layout(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     parallel = document["parallel"]
-    model_ranks = parallel["tensor_parallel_size"] * parallel["pipeline_parallel_size"]
-    if world_size % model_ranks:
+    split = _split_ranks(parallel)
+    factors = ["tensor_parallel_size", "pipeline_parallel_size"]
+    factors += ["sequence_parallel_size"] if parallel["sequence_parallel_size"] > 1 else []
+    if world_size % split:
         yield ConfigIssue(
             "parallel",
-            f"world size {world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
-            f"{model_ranks}; launch a multiple of {model_ranks} processes",
+            f"world size {world_size} is not divisible by {' x '.join(factors)} = {split}; launch a multiple of "
+            f"{split} processes",
         )
 
 
@@ -183,6 +190,126 @@ def check_tensor_parallel(document: dict, world_size: int, hardware: Hardware | 
             "model.vocab_size",
             f"{vocab} rows cannot be split across tensor_parallel_size {degree}; use "
             f'{-(-vocab // degree) * degree} or "auto" (rounds the tokenizer\'s size up)',
+        )
+
+
+def check_sequence_parallel(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """What DeepSpeed's Ulysses (engine/parallel/sequence.py) cannot run, refused before any process
+    group: inside its attention DeepSpeed would assert, or train another model than one process would."""
+    parallel, model, data = document["parallel"], document["model"], document["data"]
+    degree = parallel["sequence_parallel_size"]
+    if degree == 1:
+        return
+    path = "parallel.sequence_parallel_size"
+    family = get_family(model["family"])
+    if not family.sequence_parallel:
+        yield ConfigIssue(
+            path, f"{family.name} models have no sequence-parallel form ({family.no_sequence_parallel}); set it to 1"
+        )
+        return
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if parallel[key] > 1:
+            yield ConfigIssue(
+                f"parallel.{key}",
+                f"{parallel[key]} does not combine with sequence_parallel_size {degree}: DeepSpeed's Ulysses groups "
+                "(parallel_state_sp) split the world into data x sequence ranks only; set it to 1 (ZeRO-3 "
+                "partitions the model states over every rank instead)",
+            )
+    if effective_backend(document["trainer"]["backend"]) != "deepspeed":
+        yield ConfigIssue(
+            path,
+            "sequence parallelism runs inside DeepSpeed's engine (its sequence-parallel groups, and ZeRO's gradient "
+            'reduction over them); launch with deepspeed and trainer.backend "deepspeed", or set it to 1',
+        )
+    zero = document["zero_optimization"]
+    if zero["stage"] == 3 and zero["reduce_scatter"] is False:
+        yield ConfigIssue(
+            "zero_optimization.reduce_scatter",
+            "false under ZeRO-3 with sequence parallelism: DeepSpeed 0.19.8 averages ZeRO-3's gradients over the "
+            "data-parallel ranks on its contiguous path but over data x sequence ranks on its reduce-scatter path, "
+            "bucket by bucket, and the engine corrects the reduce-scatter one; set it to true",
+        )
+    if model.get("attn_implementation") == "eager":
+        yield ConfigIssue(
+            "model.attn_implementation",
+            '"eager" attention needs the 4D mask DeepSpeed\'s Ulysses drops (it runs sdpa, flash and flex '
+            'attention only); use "sdpa", which masks causally over the whole gathered sequence',
+        )
+    if data.get("packing"):
+        yield ConfigIssue(
+            "data.packing",
+            "true under sequence parallelism: DeepSpeed's Ulysses drops the mask that keeps packed conversations "
+            "apart, so each would attend to the ones before it in its sample; set it to false (every conversation "
+            "is then padded to its micro-batch's longest, and on to a multiple of sequence_parallel_size)",
+        )
+    architecture = family.architecture(model)
+    seq_len = data["seq_len"] if data["seq_len"] != AUTO else family.context_length(architecture)
+    # Conversations are padded to a multiple of the degree; a fixed window would pad every sample.
+    if not labels_can_be_masked(data) and seq_len % degree:
+        nearest = " or ".join(str(n) for n in sorted({seq_len // degree * degree, -(-seq_len // degree) * degree}) if n)
+        yield ConfigIssue(
+            "data.seq_len",
+            f"{seq_len} tokens do not split into {degree} equal slices (parallel.sequence_parallel_size), as "
+            f"DeepSpeed's Ulysses needs; use a multiple of {degree} ({nearest})",
+        )
+    query, key_value = family.attention_heads
+    heads, kv_heads = architecture[query], architecture[key_value]
+    if heads % degree:
+        yield ConfigIssue(
+            f"model.{query}",
+            f"{heads} attention heads cannot be split across sequence_parallel_size {degree}: inside attention each "
+            f"rank of the group computes heads / {degree} of them over the whole sequence; use a degree that "
+            f"divides {heads}",
+        )
+    if key_value != query and kv_heads % degree and degree % kv_heads:
+        yield ConfigIssue(
+            f"model.{key_value}",
+            f"{kv_heads} key/value heads neither split across sequence_parallel_size {degree} nor divide it "
+            "(DeepSpeed's Ulysses gives each rank kv / SP of them, or repeats each over SP / kv ranks); use a degree "
+            f"that divides {kv_heads} or is a multiple of it",
+        )
+
+
+def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """ALST's tiled MLP and tiled loss (model.tiled_mlp, model.loss "tiled") where they cannot run."""
+    model, parallel = document["model"], document["parallel"]
+    tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": model.get("loss") == "tiled"}
+    if tiled["model.tiled_mlp"] and effective_backend(document["trainer"]["backend"]) != "deepspeed":
+        yield ConfigIssue(
+            "model.tiled_mlp",
+            "DeepSpeed's tiled MLP runs several backward passes inside one, which DDP's and FSDP's gradient hooks do "
+            "not allow (DeepSpeed's ZeRO is told by it when a gradient is whole); use trainer.backend "
+            '"deepspeed", or turn it off',
+        )
+    if tiled["model.tiled_mlp"] and model.get("dropout", 0.0) > 0:
+        yield ConfigIssue(
+            "model.tiled_mlp",
+            f"with model.dropout {model['dropout']}: DeepSpeed's tiled MLP computes each piece again in backward "
+            "without the forward's random state, so its dropout masks would differ; set model.dropout to 0 or turn "
+            "it off",
+        )
+    data = document["data"]
+    if document["zero_optimization"]["stage"] == 3 and labels_can_be_masked(data) and not data.get("packing", False):
+        for path, on in tiled.items():
+            if on:
+                yield ConfigIssue(
+                    path,
+                    "under ZeRO-3 with unpacked conversations: each micro-batch is padded to its own longest, so "
+                    "the ranks would cut their sequences into different numbers of pieces, and ZeRO-3 gathers the "
+                    "weights piece by piece in a collective every rank must join; pack the data (data.packing), "
+                    "use ZeRO-1 or 2, or turn it off",
+                )
+    if tiled["model.loss"] and parallel["pipeline_parallel_size"] > 1:
+        yield ConfigIssue(
+            "model.loss",
+            "\"tiled\" is computed in the model's forward, and DeepSpeed's pipeline engine computes the loss from "
+            'the last stage\'s whole logits; use "full", or set parallel.pipeline_parallel_size to 1',
+        )
+    if tiled["model.loss"] and parallel["tensor_parallel_size"] > 1:
+        yield ConfigIssue(
+            "model.loss",
+            '"tiled" takes each piece\'s whole logits from the head, which tensor parallelism splits by vocabulary; '
+            'use "full", or set parallel.tensor_parallel_size to 1',
         )
 
 
@@ -540,6 +667,8 @@ RULES: tuple[Rule, ...] = (
     check_parallel_layout,
     check_pipeline,
     check_tensor_parallel,
+    check_sequence_parallel,
+    check_tiling,
     check_batch,
     check_precision,
     check_zero,

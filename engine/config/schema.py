@@ -450,7 +450,7 @@ class Spelling:
     (engine/config/validate.py `canonical_spellings`, one notice line), and refused beside it, or beside
     another spelling of it, with another value. `read` turns the value into the engine key's."""
 
-    path: tuple[str, str]
+    path: tuple[str, ...]  # a DeepSpeed section and its key, or a top-level key alone
     key: tuple[str, str]
     feature: str  # what both keys set, as the notice and the refusal name it
     schema: dict
@@ -463,9 +463,11 @@ class Spelling:
         return {**self.schema, "description": f"{said} with another value. {self.schema['description']}".strip()}
 
 
-# DeepSpeed's spellings of the engine's tensor parallelism and pipeline stages. The engine runs
-# them itself (models/ plans, PipelineModule), so each DeepSpeed key is read as the engine's, and
-# nothing of them reaches DeepSpeed, whose AutoTP would rewrite the model a second time.
+# DeepSpeed's spellings of the engine's tensor parallelism, pipeline stages and sequence parallelism.
+# The engine runs them itself (models/ plans, PipelineModule, DeepSpeed's Ulysses set up by
+# engine/parallel/sequence.py), so each DeepSpeed key is read as the engine's. Nothing of the first
+# two reaches DeepSpeed, whose AutoTP would rewrite the model a second time; the sequence-parallel
+# degree is handed back to it by `EngineConfig.deepspeed_config`, as its batch arithmetic reads it.
 SPELLINGS: tuple[Spelling, ...] = (
     Spelling(
         ("tensor_parallel", "autotp_size"),
@@ -492,11 +494,19 @@ SPELLINGS: tuple[Spelling, ...] = (
         "the pipeline's activation-checkpoint interval",
         _integer("DeepSpeed's pipeline engine would set its stages' interval from it, over the engine's.", minimum=0),
     ),
+    Spelling(
+        ("sequence_parallel_size",),
+        ("parallel", "sequence_parallel_size"),
+        "the sequence-parallel degree",
+        _integer("DeepSpeed-Ulysses' degree, as DeepSpeed's ALST configs write it.", minimum=1),
+    ),
 )
 
 
-def _spelled_in(section: str) -> dict[str, dict]:
-    return {spelling.path[1]: spelling.describe() for spelling in SPELLINGS if spelling.path[0] == section}
+def _spelled_in(section: str | None) -> dict[str, dict]:
+    """The spellings under DeepSpeed section `section`, by key; None: the top-level ones."""
+    where = () if section is None else (section,)
+    return {spelling.path[-1]: spelling.describe() for spelling in SPELLINGS if spelling.path[:-1] == where}
 
 
 # DeepSpeed reads the section with plain lookups (deepspeed/runtime/config.py get_pipeline_config);
@@ -564,7 +574,7 @@ _FEATURES = {
     "pipeline": _PIPELINE,
     "weight_quantization": _feature("DeepSpeed's post-training weight quantization."),
     "datastates_ckpt": _feature("DataStates-LLM asynchronous checkpointing."),
-    "sequence_parallel_size": _integer("DeepSpeed-Ulysses sequence-parallel degree.", minimum=1),
+    **_spelled_in(None),
 }
 
 _OFFLOAD_OPTIMIZER = _object(
@@ -1076,8 +1086,9 @@ _TRAINER = _object(
 )
 
 _PARALLEL = _object(
-    "Model parallelism. Ranks are laid out pipeline-major, tensor-minor: data-parallel size = world "
-    "size / (tensor x pipeline), and the ranks of one tensor-parallel group are adjacent.",
+    "Model and sequence parallelism. Ranks are laid out pipeline-major, tensor-minor: data-parallel size = world "
+    "size / (tensor x pipeline x sequence), and the ranks of one tensor-parallel group, or of one "
+    "sequence-parallel group, are adjacent.",
     {
         "tensor_parallel_size": _integer(
             "Ranks that split each transformer layer (Megatron-style: attention by heads, key/value heads with "
@@ -1103,6 +1114,21 @@ _PARALLEL = _object(
             "Under pipeline parallelism this replaces model.activation_checkpointing.",
             0,
             minimum=0,
+        ),
+        "sequence_parallel_size": _integer(
+            "Ranks that split each sequence (DeepSpeed's Ulysses, as Arctic Long Sequence Training runs it): "
+            "outside attention each rank holds data.seq_len / this many tokens of every sequence, inside it "
+            "all-to-alls give each rank the whole sequence for heads / this many of the attention heads, so "
+            "activation memory per rank falls with it. Each group of this many adjacent ranks reads one "
+            "data-parallel replica's batches; ZeRO partitions the model states over all the ranks (data x "
+            "sequence). GPT and Llama only; must divide data.seq_len (text, tokens and synthetic data; "
+            "conversations are padded to a multiple of it) and the attention heads (GPT n_head, Llama "
+            "num_attention_heads), and divide or be a multiple of Llama's num_key_value_heads. Needs sdpa "
+            "attention, the DeepSpeed backend, tensor and pipeline parallelism at 1, data.packing false (the "
+            "attention sees no boundary between packed conversations), and under ZeRO-3 "
+            "zero_optimization.reduce_scatter true. DeepSpeed's top-level sequence_parallel_size is read as it.",
+            1,
+            minimum=1,
         ),
     },
     default={},

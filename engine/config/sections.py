@@ -64,6 +64,16 @@ class ModelSection:
     def num_classes(self) -> int | None:
         return self.fields.get("num_classes")
 
+    @property
+    def tiled_mlp(self) -> bool:
+        """Whether each block's MLP runs as DeepSpeed's TiledMLP (a decoder family's key)."""
+        return bool(self.fields.get("tiled_mlp", False))
+
+    @property
+    def loss(self) -> str:
+        """How a decoder computes its training loss: "full" logits, or "tiled" (TiledFusedLogitsLoss)."""
+        return self.fields.get("loss", "full")
+
 
 @dataclass(frozen=True)
 class DataSection:
@@ -144,3 +154,4 @@ class ParallelSection:
     pipeline_parallel_size: int
     pipeline_partition_method: str
     pipeline_activation_checkpoint_interval: int
+    sequence_parallel_size: int

@@ -4,9 +4,10 @@ DeepSpeed accepts a key and acts on it only where the rest of the program takes 
 Chat's hybrid engine needs an RLHF loop, DeepSpeed's data efficiency its own sampler, AutoTP's
 partition rules a model it can rewrite. Here such a key would be read and do nothing, so it is
 refused where it is on, and the README's table lists them. DeepSpeed's spellings of what the engine
-runs itself (AutoTP's size, the pipeline's stage count) are read as the engine's keys instead
-(engine/config/validate.py `canonical_spellings`). Under the accelerate backend every DeepSpeed-only
-key a config sets away from its default is refused, naming `trainer.backend`.
+runs itself (AutoTP's size, the pipeline's stage count, Ulysses' sequence-parallel degree) are read
+as the engine's keys instead (engine/config/validate.py `canonical_spellings`). Under the accelerate
+backend every DeepSpeed-only key a config sets away from its default is refused, naming
+`trainer.backend`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "the model family's own plan (models/), sized by tensor_parallel.autotp_size or parallel.tensor_parallel_size, "
     "so keep only the size",
     "expert_parallel": "no model family here has mixture-of-experts layers",
-    "sequence_parallel_size": "DeepSpeed-Ulysses needs its distributed attention inside the model; the model families "
-    "here do not call it",
     "autotuning": "DeepSpeed's autotuner runs its own trial jobs under `deepspeed --autotuning`; `python -m engine "
     "plan` sizes layouts here",
     "weight_quantization": "post-training weight quantization is for inference; the engine trains",

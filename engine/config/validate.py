@@ -155,8 +155,9 @@ def canonical_spellings(document: dict) -> dict:
     `bfloat16`) and its models' field names beside their documented spellings. Each is renamed to
     the current key, its value converted as DeepSpeed converts it; one given together with its
     current key is left for the schema to refuse. DeepSpeed's spellings of the engine's own features
-    (`tensor_parallel.autotp_size`, `pipeline.pipeline_parallel_size`: schema.SPELLINGS) move to the
-    engine's key and leave the DeepSpeed section, emptied sections with them; where they disagree
+    (`tensor_parallel.autotp_size`, `pipeline.pipeline_parallel_size`, the top-level
+    `sequence_parallel_size`: schema.SPELLINGS) move to the engine's key and leave the DeepSpeed
+    section, emptied sections with them; where they disagree
     with each other or with the engine's key, nothing moves, for `schema_issues` to refuse."""
     document = copy.deepcopy(document)
     optimizer = document.get("optimizer")
@@ -202,7 +203,7 @@ def _read_spellings(document: dict, key: tuple[str, str]) -> None:
     for path in spelled:
         section = _section(document, path[:-1])
         del section[path[-1]]
-        if not section:
+        if not section and len(path) > 1:  # a DeepSpeed section the spelling emptied; never the root
             del _section(document, path[:-2])[path[-2]]
     target[key[-1]] = given[0][2]
 

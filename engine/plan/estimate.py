@@ -16,10 +16,11 @@ class Communication:
     data_parallel: dict[str, int]
     tensor_parallel: int
     pipeline: int
+    sequence_parallel: int = 0
 
     @property
     def total(self) -> int:
-        return sum(self.data_parallel.values()) + self.tensor_parallel + self.pipeline
+        return sum(self.data_parallel.values()) + self.tensor_parallel + self.pipeline + self.sequence_parallel
 
 
 def data_parallel_bytes(zero_stage: int, elements: int, element: int, dp: int, frozen: int = 0) -> dict[str, int]:
@@ -45,6 +46,17 @@ def tensor_parallel_bytes(layers: int, hidden: int, tokens: int, element: int, t
         return 0
     per_all_reduce = 2 * (tensor - 1) / tensor * tokens * hidden * element
     return int(micro_batches * (4 * layers + 1) * per_all_reduce)
+
+
+def sequence_parallel_bytes(
+    layers: int, width: int, tokens: int, element: int, sequence: int, micro_batches: int
+) -> int:
+    """Ulysses' all-to-alls per layer and micro-batch: the query, keys and values to head slices and
+    the attention output back in the forward pass, the same four in the backward pass, each sending
+    (SP-1)/SP of this rank's `tokens` x `width` elements (`width`: the four's elements per token)."""
+    if sequence == 1:
+        return 0
+    return int(micro_batches * layers * 2 * (sequence - 1) / sequence * tokens * width * element)
 
 
 def pipeline_bytes(boundaries: Sequence[int], element: int, stage: int, micro_batches: int) -> int:

@@ -20,6 +20,7 @@ from engine.plan.estimate import (
     data_parallel_bytes,
     pipeline_bubble,
     pipeline_bytes,
+    sequence_parallel_bytes,
     tensor_parallel_bytes,
 )
 from engine.plan.shapes import stage_numels, unique_parameters
@@ -240,6 +241,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
             layout.tensor,
             micro,
             element,
+            layout.sequence,
         )
     )
     ranks = []
@@ -253,14 +255,20 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
                 shapes, config.accelerate_wrapper, layout.world_size, where.data, optimizer, offload, frozen
             )
         else:
-            states = state_bytes(groups, zero, layout.data, where.data, optimizer, [math.prod(s) for s in frozen])
+            # ZeRO partitions over every rank holding the weights: each replica's sequence shards, in rank order.
+            zero_rank = where.data * layout.sequence + where.sequence
+            frozen_numels = [math.prod(s) for s in frozen]
+            states = state_bytes(groups, zero, layout.zero_ranks, zero_rank, optimizer, frozen_numels)
         # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
         in_flight = min(layout.pipeline - where.stage, accumulation)
         stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
         communication = Communication(
-            data_parallel_bytes(zero.stage, sum(stage), element, layout.data, sum(map(math.prod, frozen))),
+            data_parallel_bytes(zero.stage, sum(stage), element, layout.zero_ranks, sum(map(math.prod, frozen))),
             tensor_parallel_bytes(stage_blocks, estimate.hidden, estimate.tokens, element, layout.tensor, accumulation),
             pipeline_bytes(estimate.boundaries, element, where.stage, accumulation),
+            sequence_parallel_bytes(
+                stage_blocks, estimate.attention_width, estimate.tokens, element, layout.sequence, accumulation
+            ),
         )
         ranks.append(
             RankPlan(
@@ -273,7 +281,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
                 communication,
             )
         )
-    share = layout.data if zero.stage >= 1 else 1
+    share = layout.zero_ranks if zero.stage >= 1 else 1
     adam_share = (
         f"1/{share * layout.tensor * layout.pipeline}" if share * layout.tensor * layout.pipeline > 1 else "all"
     )

@@ -18,23 +18,28 @@ from models import get_family
 def table(plan: Plan) -> str:
     """Where the device is the host (`plan.one_pool`), the last memory column is everything a rank
     holds, under "host", rather than what sits on a device. An "nvme" column, the swap files each
-    rank writes, appears only where some rank writes them."""
+    rank writes, appears only where some rank writes them; an "sp" column, each rank's sequence shard,
+    only under sequence parallelism."""
     config = plan.config
     memory = "host" if plan.one_pool else "device"
     swapping = plan.nvme_total > 0
     nvme_header = f" {'nvme':>12}" if swapping else ""
+    # A sequence-shard column only where sequences are split.
+    sequenced = config.parallel.sequence_parallel_size > 1
+    sp_header = f" {'sp':>3}" if sequenced else ""
     lines = [
         f"{config.model.label} on {config.world_size} rank(s): ZeRO-{config.zero_stage}, "
         f"{config.precision_label}, {config.trainer.backend} backend; optimizer states per rank: {plan.adam_share}",
-        f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-        f"{'offloaded':>12}{nvme_header} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
+        f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3}{sp_header} {'parameters':>12} {'gradients':>12} "
+        f"{'optimizer':>12} {'offloaded':>12}{nvme_header} {'activations*':>13} {memory:>12} {'comm/step*':>12}",
     ]
     for rank in plan.ranks:
         states = rank.states
         held = plan.host_bytes(rank) if plan.one_pool else rank.device
         nvme = f" {format_bytes(states.nvme):>12}" if swapping else ""
+        shard = f" {rank.where.sequence:>3}" if sequenced else ""
         lines.append(
-            f"{rank.rank:>4} {rank.where.stage:>5} {rank.where.tensor:>3} {rank.where.data:>3} "
+            f"{rank.rank:>4} {rank.where.stage:>5} {rank.where.tensor:>3} {rank.where.data:>3}{shard} "
             f"{format_bytes(states.parameter):>12} {format_bytes(states.gradient):>12} "
             f"{format_bytes(states.optimizer):>12} {format_bytes(states.offloaded):>12}{nvme} "
             f"{format_bytes(rank.activations):>13} {format_bytes(held):>12} "
@@ -51,7 +56,8 @@ def table(plan: Plan) -> str:
         f"parameters, gradients and optimizer states are exact ({rules}); "
         f"* estimates: activations {'with' if plan.checkpointing else 'without'} activation checkpointing "
         f"({other} it: {format_bytes(max(r.activations_other for r in plan.ranks))} at most), "
-        f"communication by ring collectives; pipeline bubble {plan.bubble:.1%}"
+        f"communication by ring collectives{' and all-to-alls' if sequenced else ''}; pipeline bubble "
+        f"{plan.bubble:.1%}"
     )
     if plan.frozen:
         lines.append(adapters_line(plan))
@@ -154,11 +160,18 @@ def _budget(memory: str, holder: str, needed: int, available: int) -> tuple[bool
 
 def explain(plan: Plan) -> str:
     config = plan.config
-    layout_line = (
-        f"{config.world_size} rank(s): {config.parallel.pipeline_parallel_size} pipeline stage(s) x "
-        f"{config.dp_size} data-parallel replica(s) x {config.parallel.tensor_parallel_size} tensor shard(s), "
-        f"ZeRO-{config.zero_stage}, {config.precision_label}"
-    )
+    sequence = config.parallel.sequence_parallel_size
+    if sequence > 1:
+        layout_line = (
+            f"{config.world_size} rank(s): {config.dp_size} data-parallel replica(s) x {sequence} sequence shard(s) "
+            f"(Ulysses), ZeRO-{config.zero_stage} over all {config.dp_size * sequence}, {config.precision_label}"
+        )
+    else:
+        layout_line = (
+            f"{config.world_size} rank(s): {config.parallel.pipeline_parallel_size} pipeline stage(s) x "
+            f"{config.dp_size} data-parallel replica(s) x {config.parallel.tensor_parallel_size} tensor shard(s), "
+            f"ZeRO-{config.zero_stage}, {config.precision_label}"
+        )
     lines = [layout_line]
     tensor, data = config.parallel.tensor_parallel_size, config.dp_size
     stages = config.parallel.pipeline_parallel_size
@@ -168,13 +181,26 @@ def explain(plan: Plan) -> str:
             host = ", all of it in host memory (no accelerator)"
         else:
             host = f", {format_bytes(states.offloaded)} of it in host memory" if states.offloaded else ""
+        if sequence > 1:
+            place = f"data-parallel replica {where.data + 1} of {data}, {_sequence_shard(config, where.sequence)}"
+            if config.zero_stage >= 1:
+                # The shards of every replica hold the same weights, so ZeRO partitions over all of them.
+                place += f"; ZeRO partition {where.data * sequence + where.sequence + 1} of {data * sequence}"
+        else:
+            place = (
+                f"stage {where.stage + 1} of {stages} ({rank.layers}), TP shard {where.tensor + 1} of {tensor}, "
+                f"data-parallel replica {where.data + 1} of {data}"
+            )
+        communication = rank.communication
+        sends = {**communication.data_parallel}
+        if communication.sequence_parallel:
+            sends["all-to-alls around attention"] = communication.sequence_parallel
         lines.append(
-            f"rank {rank.rank}: stage {where.stage + 1} of {stages} ({rank.layers}), TP shard {where.tensor + 1} of "
-            f"{tensor}, data-parallel replica {where.data + 1} of {data}, holds {plan.adam_share} of the optimizer "
+            f"rank {rank.rank}: {place}, holds {plan.adam_share} of the optimizer "
             f"states: parameters {format_bytes(states.parameter)}, gradients {format_bytes(states.gradient)}, "
             f"optimizer {format_bytes(states.optimizer)}{host}{_nvme_clause(plan, rank.states)}; activations about "
-            f"{format_bytes(rank.activations)}; sends about {format_bytes(rank.communication.total)} per step"
-            + "".join(f", {name} {format_bytes(size)}" for name, size in rank.communication.data_parallel.items())
+            f"{format_bytes(rank.activations)}; sends about {format_bytes(communication.total)} per step"
+            + "".join(f", {name} {format_bytes(size)}" for name, size in sends.items())
         )
     if plan.frozen:
         lines.append(adapters_line(plan))
@@ -182,6 +208,36 @@ def explain(plan: Plan) -> str:
     if swap_paths(config):
         lines.append(_nvme_rules(plan))
     return "\n".join(lines)
+
+
+def _sequence_shard(config: EngineConfig, shard: int) -> str:
+    """What sequence shard `shard` of a Ulysses group holds: its slice of every sequence outside
+    attention, and inside it the whole sequence for its share of the heads (DeepSpeed's all-to-all
+    hands rank r of the group the r-th block of heads, and repeats a key/value head over SP / kv
+    ranks where there are fewer of them than ranks). Heads count from 0, as the model numbers them."""
+    sequence, seq_len = config.parallel.sequence_parallel_size, config.data.seq_len
+    family = get_family(config.model.family)
+    architecture = family.architecture(config.model.fields)
+    query, key_value = family.attention_heads
+    heads, kv_heads = architecture[query], architecture[key_value]
+    width = seq_len // sequence
+    text = (
+        f"sequence shard {shard + 1} of {sequence}: tokens {shard * width}-{(shard + 1) * width - 1} of every "
+        f"{seq_len}-token sequence, and inside attention the whole sequence for "
+        f"{_heads('query head', shard, heads // sequence)} of {heads}"
+    )
+    if key_value == query:
+        return text
+    if kv_heads >= sequence:
+        return text + f" and {_heads('key/value head', shard, kv_heads // sequence)} of {kv_heads}"
+    repeats = sequence // kv_heads
+    return text + f" and key/value head {shard // repeats} of {kv_heads} (repeated over {repeats} ranks)"
+
+
+def _heads(noun: str, block: int, count: int) -> str:
+    """The `block`-th run of `count` heads: "query head 3" or "query heads 4-7"."""
+    first = block * count
+    return f"{noun} {first}" if count == 1 else f"{noun}s {first}-{first + count - 1}"
 
 
 def _nvme_clause(plan: Plan, states: StateBytes) -> str:

@@ -1,6 +1,7 @@
 """The loss of a step is the mean over the target tokens of its whole global batch (issue 42, item 3):
 chat data, whose prompts and padding are masked, trained for real on 1 rank accumulating 4
-micro-batches, 2 ranks accumulating 2 and 4 ranks accumulating none (ZeRO-2), and on 2 ranks of
+micro-batches, 2 ranks accumulating 2, 4 ranks accumulating none and 2 ranks splitting every
+conversation in two (Ulysses sequence parallelism, accumulating 4) (ZeRO-2), and on 2 ranks of
 accelerate's DDP accumulating 4 micro-batches of one conversation each, gives the same losses and
 weights, and those of plain transformers and torch's AdamW over the same global batches in one
 process. The evaluation counts every validation conversation's targets once, and the repeats that
@@ -37,16 +38,19 @@ class Layout:
     launcher: Callable[..., Run]
     ranks: int
     micro_batch: int
+    sequence: int = 1  # parallel.sequence_parallel_size: ranks that split each conversation
 
     @property
     def overrides(self) -> dict[str, object]:
+        replicas = self.ranks // self.sequence
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch,
-            "gradient_accumulation_steps": GLOBAL_BATCH // (self.micro_batch * self.ranks),
+            "gradient_accumulation_steps": GLOBAL_BATCH // (self.micro_batch * replicas),
+            "parallel.sequence_parallel_size": self.sequence,
         }
 
 
-DEEPSPEED_LAYOUTS = [Layout(launch, 1, 2), Layout(launch, 2, 2), Layout(launch, 4, 2)]
+DEEPSPEED_LAYOUTS = [Layout(launch, 1, 2), Layout(launch, 2, 2), Layout(launch, 4, 2), Layout(launch, 2, 2, sequence=2)]
 DDP_LAYOUT = Layout(launch_accelerate, 2, 1)
 
 
@@ -157,14 +161,20 @@ def assert_matches(run: Run, reference: Reference) -> None:
 
 @pytest.mark.launch
 def test_ranks_and_accumulation_train_the_global_token_mean(pretrained: Path, reference: Reference, tmp_path: Path):
-    """1 x 4, 2 x 2 and 4 x 1 (ranks x accumulation) under ZeRO-2: equal losses and weights, and the
-    reference's. The batches have teeth: their micro-batches hold unequal counts of targets, and the
-    mean of the micro-batches' own means, what each layout trained before, is far from the reference."""
+    """1 x 4, 2 x 2, 4 x 1 (ranks x accumulation) and 2 ranks splitting each conversation x 4 under
+    ZeRO-2: equal losses and weights, and the reference's. The batches have teeth: their micro-batches
+    hold unequal counts of targets, and the mean of the micro-batches' own means, what each layout
+    trained before, is far from the reference."""
     assert len(set(reference.micro_batch_targets)) > 1, reference.micro_batch_targets
     assert abs(reference.micro_batch_means - reference.losses[0]) > 10 * TOLERANCE
     common = common_overrides(pretrained, evaluated_batches(reference))
     runs = [
-        layout.launcher(CONFIG, {**common, **layout.overrides}, tmp_path / f"ranks{layout.ranks}", nproc=layout.ranks)
+        layout.launcher(
+            CONFIG,
+            {**common, **layout.overrides},
+            tmp_path / f"ranks{layout.ranks}_sequence{layout.sequence}",
+            nproc=layout.ranks,
+        )
         for layout in DEEPSPEED_LAYOUTS
     ]
     first = runs[0]

@@ -48,8 +48,9 @@ def issues_of(document: dict, world_size: int = 1, hardware: Hardware | None = C
 def test_shipped_config_validates(path: Path, world_size: int, hardware: Hardware, tmp_path: Path):
     document = read_document(path)
     parallel = document.get("parallel", {})
-    # A model-parallel config needs at least one rank per stage and shard.
-    world_size = max(world_size, parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1))
+    # A model- or sequence-parallel config needs at least one rank per stage and shard.
+    split = [parallel.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline", "sequence")]
+    world_size = max(world_size, split[0] * split[1] * split[2])
     overrides = []
     data_path = document["data"].get("path")
     if data_path and not (ROOT / data_path).exists():
@@ -81,6 +82,7 @@ def test_minimal_config_gets_explicit_defaults():
         "pipeline_parallel_size": 1,
         "pipeline_partition_method": "parameters",
         "pipeline_activation_checkpoint_interval": 0,
+        "sequence_parallel_size": 1,
     }
 
 

@@ -23,8 +23,9 @@ CORPUS = ROOT / "tests" / "data" / "deepspeed_configs"
 # The shipped configs and the 34 real DeepSpeed configs of the corpus (sources.json lists them).
 PLAIN_JSON = sorted([*(ROOT / "configs").glob("*.json"), *CORPUS.glob("*.json")])
 PLAIN_JSON.remove(CORPUS / "sources.json")
-# Commented as DeepSpeed's own configs may be (hjson): where its base weights go, and its plan.
+# Commented as DeepSpeed's own configs may be (hjson): where their weights go, and their plans.
 PLAIN_JSON.remove(ROOT / "configs" / "sft_llama3_8b_lora.json")
+PLAIN_JSON.remove(ROOT / "configs" / "llama_1b_32k_sp.json")
 
 
 def deepspeed_reads(path: Path) -> dict:
