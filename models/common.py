@@ -157,16 +157,16 @@ def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:
             "enum": ["full", "tiled"],
             "description": '"full": the model computes the logits of every position, and the loss holds them in '
             "fp32 with their gradient (8 bytes x vocabulary per token, gigabytes per sequence of a Llama 3 "
-            'vocabulary). "tiled": DeepSpeed\'s TiledFusedLogitsLoss (Arctic Long Sequence Training) computes '
-            "the head, the loss and its gradient piece by piece over the positions, each piece's fp32 logits at "
-            "most 1 GiB, dropping each piece's logits before the next: the same loss and gradients, without the "
-            "whole logits. DeepSpeed backend, without tensor or pipeline parallelism.",
+            'vocabulary). "tiled": as Arctic Long Sequence Training tiles it, the head and the loss piece by '
+            "piece over the positions, each piece's fp32 logits at most 1 GiB and recomputed in the backward "
+            "pass (models/tiling.py): the same loss and gradients, without the whole logits. Without tensor or "
+            "pipeline parallelism.",
             "default": "full",
         },
     }
 
 
-# ALST's tiling (DeepSpeed's TiledMLP and TiledFusedLogitsLoss: model.tiled_mlp, model.loss "tiled"),
+# ALST's tiling (models/tiling.py: model.tiled_mlp, model.loss "tiled"),
 # how many pieces a rank's tokens are cut into: what the runtime runs and the planner counts.
 LOSS_PIECE_BYTES = 2**30  # fp32 logits of one piece of the tiled loss, as ALST's recipes size them
 

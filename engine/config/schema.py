@@ -1121,9 +1121,9 @@ _PARALLEL = _object(
             "all-to-alls give each rank the whole sequence for heads / this many of the attention heads, so "
             "activation memory per rank falls with it. Each group of this many adjacent ranks reads one "
             "data-parallel replica's batches; ZeRO partitions the model states over all the ranks (data x "
-            "sequence). GPT and Llama only; must divide data.seq_len (text, tokens and synthetic data; "
-            "conversations are padded to a multiple of it) and the attention heads (GPT n_head, Llama "
-            "num_attention_heads), and divide or be a multiple of Llama's num_key_value_heads. Needs sdpa "
+            "sequence). The Llama family only; must divide data.seq_len (text, tokens and synthetic data; "
+            "conversations are padded to a multiple of it) and num_attention_heads, and divide or be a "
+            "multiple of num_key_value_heads. Needs sdpa "
             "attention, the DeepSpeed backend, tensor and pipeline parallelism at 1, data.packing false (the "
             "attention sees no boundary between packed conversations), and under ZeRO-3 "
             "zero_optimization.reduce_scatter true. DeepSpeed's top-level sequence_parallel_size is read as it.",
