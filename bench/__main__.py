@@ -11,7 +11,19 @@ import os
 import sys
 from collections.abc import Callable
 
-from bench import checkpointing, data, gpu, hostcost, infinity, memory, optimizer_step, sft, shakespeare, throughput
+from bench import (
+    checkpointing,
+    data,
+    gpu,
+    hostcost,
+    infinity,
+    memory,
+    optimizer_step,
+    sequence,
+    sft,
+    shakespeare,
+    throughput,
+)
 from bench.report import REPORT, headline, load_results, store_results, write_report
 from bench.results import Result, Unavailable
 from bench.settings import Settings
@@ -32,6 +44,7 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "hostcost": hostcost.run,  # 8: host reads of the device, aten operations and graph breaks per step
     "checkpointing": checkpointing.run,  # 9: training time lost per save, sync and async; SIGTERM to exit
     "sft": sft.run,  # 10: chat fine-tuning with LoRA against TRL's SFTTrainer: tokens/s and loss
+    "sequence": sequence.run,  # 11: memory per rank against sequence length, SP 1 and SP 2; step time ratio
 }
 
 

@@ -15,7 +15,20 @@ import pytest
 
 import bench.__main__ as bench_main
 import bench.report as report
-from bench import data, gpu, hostcost, infinity, memory, nanogpt, optimizer_step, sft, shakespeare, throughput, trl_sft
+from bench import (
+    data,
+    gpu,
+    hostcost,
+    infinity,
+    memory,
+    nanogpt,
+    optimizer_step,
+    sequence,
+    sft,
+    shakespeare,
+    throughput,
+    trl_sft,
+)
 from bench.results import Goal, Panel, Result, Unavailable, compare
 from bench.trials import Pair, Side, run_overrides
 from data.chat.render import chat_format
@@ -82,6 +95,13 @@ LAUNCHED = [
         )
         for mode in (infinity.CPU_OFFLOAD, infinity.NVME)
         for size in [infinity.TINY, *infinity.SIZES]
+    ),
+    *(
+        pytest.param(
+            sequence.CONFIG, sequence.launch_sets(degree, length, 1), degree, id=f"sequence-sp{degree}-{length}"
+        )
+        for degree in sequence.DEGREES
+        for length in (sequence.REFERENCE, *sequence.LENGTHS)
     ),
 ]
 
