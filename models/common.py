@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.checkpointing import EVERY_BLOCK, Checkpointing, checkpoint_forward, checkpoint_function
 from models.costs import ActivationEstimate, PlanShape
 from models.tensor_parallel import tied_logits
 
@@ -154,19 +155,22 @@ def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:
             "default": False,
         },
         "loss": {
-            "enum": ["full", "tiled"],
+            "enum": ["full", "tiled", "fused"],
             "description": '"full": the model computes the logits of every position, and the loss holds them in '
             "fp32 with their gradient (8 bytes x vocabulary per token, gigabytes per sequence of a Llama 3 "
             'vocabulary). "tiled": as Arctic Long Sequence Training tiles it, the head and the loss piece by '
             "piece over the positions, each piece's fp32 logits at most 1 GiB and recomputed in the backward "
-            "pass (models/tiling.py): the same loss and gradients, without the whole logits. Without tensor or "
-            "pipeline parallelism.",
+            "pass (models/tiling.py): the same loss and gradients, without the whole logits; trainer.compile "
+            'compiles it with the model on the DeepSpeed backend. "fused": Liger-Kernel\'s fused linear '
+            "cross-entropy (Triton) on CUDA where liger-kernel is installed and the head is neither split by tensor "
+            'parallelism nor partitioned by ZeRO-3; "tiled" everywhere else. Both also compute the evaluation '
+            "loss. Without pipeline parallelism.",
             "default": "full",
         },
     }
 
 
-# ALST's tiling (models/tiling.py: model.tiled_mlp, model.loss "tiled"),
+# ALST's tiling (models/tiling.py: model.tiled_mlp, model.loss "tiled" and its fallback for "fused"),
 # how many pieces a rank's tokens are cut into: what the runtime runs and the planner counts.
 LOSS_PIECE_BYTES = 2**30  # fp32 logits of one piece of the tiled loss, as ALST's recipes size them
 
@@ -281,8 +285,13 @@ def compute_loss(
 
 
 def eval_sums(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact."""
-    return pipeline_eval_sums(model(**model_inputs(batch), use_cache=False).logits, batch["labels"])
+    """Summed token loss and the tokens predicted, so the mean over every rank's batches is exact.
+
+    The model's own loss over a divisor of 1, its sum: model.loss "tiled" and "fused" then evaluate
+    without the whole logits as they train, and "full" sums `pipeline_eval_sums`' fp32 cross-entropy."""
+    labels = batch["labels"]
+    loss_sum = compute_loss(model, batch, torch.ones((), device=labels.device))
+    return {"loss_sum": loss_sum.detach().double(), "tokens": (labels != IGNORE_INDEX).sum().double()}
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -369,13 +378,30 @@ def tied_embedding_layers(name: str, embedding: nn.Module) -> tuple[Any, Any]:
     )
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each transformer block in the backward pass instead of keeping its activations.
+# A decoder block's attention module: Llama's `self_attn`, GPT-2's `attn`.
+_ATTENTION_NAMES = ("self_attn", "attn")
 
-    Non-reentrant checkpointing works with inputs that do not require grad (token ids) and with
-    DeepSpeed's ZeRO hooks; transformers wraps the blocks without renaming any parameter.
+
+def apply_activation_checkpointing(model: torch.nn.Module, choice: Checkpointing = EVERY_BLOCK) -> None:
+    """Recompute in the backward pass what `choice` names (models/checkpointing.py) instead of
+    keeping its activations, without renaming any parameter.
+
+    Whole blocks: transformers' own switch, non-reentrant (it works with inputs that do not require
+    grad, token ids, and with DeepSpeed's ZeRO hooks), then the per-block flag and checkpoint function
+    that transformers' GradientCheckpointingLayer documents, for every k-th block and for offloading.
+    Attention only: each block's attention module recomputes on its own (`checkpoint_forward`).
     """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if choice.attention:
+        for block in blocks:
+            checkpoint_forward(next(child for name, child in block.named_children() if name in _ATTENTION_NAMES))
+        return
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for index, block in enumerate(blocks):
+        block.gradient_checkpointing = choice.recomputes(index)
+        block._gradient_checkpointing_func = checkpoint_function(choice.offload)
 
 
 @dataclass(frozen=True)
@@ -414,8 +440,9 @@ class HFCheckpoint:
         else:
             self._check(Path(init_from), config)
             model = load_pretrained(self.transformers_class(), Path(init_from), config)
-        if section.get("activation_checkpointing", False):
-            apply_activation_checkpointing(model)
+        choice = Checkpointing.of(section.get("activation_checkpointing"))
+        if choice:
+            apply_activation_checkpointing(model, choice)
         # The loss `compute_loss` has the model compute; GPT2LMHeadModel's class name names none, and
         # transformers would warn before falling back to this same one.
         model.loss_type = "ForCausalLM"
@@ -545,14 +572,18 @@ def decoder_activations(
     layer_factor: Callable[[int], float],
     mlp_factor: Callable[[int], float],
     attention_width: int,
+    attention_factor: Callable[[int], float],
 ) -> ActivationEstimate:
     """The planner's activation estimate for a decoder of width `hidden`: one transformer layer
     keeps tokens * hidden * `layer_factor(tensor)` bytes at 2 bytes per element and tensor-parallel
     degree `tensor` (Korthikanti et al. 2022, arXiv:2205.05198, without Megatron's sequence
-    parallelism), scaled to the training dtype; with activation checkpointing only each layer's input
-    (one hidden state per token) plus one layer recomputed at a time. The last stage adds the fp32
-    logits and their gradient. Every stage boundary and tensor-parallel all-reduce moves one hidden
-    state of the micro-batch's tokens.
+    parallelism), scaled to the training dtype. A layer recomputed whole (`Checkpointing`) keeps only
+    its input (one hidden state per token), in host memory where it offloads, and one such layer is
+    recomputed at a time (on top of the others' only where the last layer is one of them); under
+    attention-only recompute each attention module, `attention_factor(tensor)` of the layer's per
+    token with its input, keeps only that input, and one recomputes at a time. The last stage adds
+    the fp32 logits and their gradient. Every stage boundary and tensor-parallel
+    all-reduce moves one hidden state of the micro-batch's tokens.
 
     Under Ulysses (`shape.sequence` ranks) a rank holds seq_len / SP tokens of each sequence outside
     attention and, inside it, the whole sequence for heads / SP of the heads: as many elements of
@@ -560,8 +591,8 @@ def decoder_activations(
     attention scores of the whole sequence per token of it. model.tiled_mlp: the MLP keeps only its
     input (counted among the layer's whole tensors); its intermediate activations, `mlp_factor(tensor)`
     of the layer's per token, exist for one piece (`tiled_mlp_pieces`) of one layer at a time, while
-    that piece is recomputed in the backward pass. model.loss "tiled": the logits of one piece
-    (`tiled_loss_pieces`) instead of all of them."""
+    that piece is recomputed in the backward pass. model.loss "tiled" (and "fused", whose Liger chunks
+    are smaller): the logits of one piece (`tiled_loss_pieces`) instead of all of them."""
     slice_length = shape.data["seq_len"] // shape.sequence
     tokens = slice_length * shape.micro_batch
 
@@ -574,16 +605,24 @@ def decoder_activations(
         layer -= bytes_of(tokens, mlp_factor(shape.tensor))
         recomputed = bytes_of(piece, mlp_factor(shape.tensor))
     logit_tokens = tokens
-    if shape.section.get("loss", "full") == "tiled":
+    if shape.section.get("loss", "full") != "full":
         logit_tokens = math.ceil(tokens / tiled_loss_pieces(tokens, vocab))
 
-    def stage_bytes(stage: int, layers: int, checkpointing: bool) -> int:
-        if not layers:
-            kept = 0
-        elif checkpointing:
-            kept = layers * tokens * hidden * shape.element + layer + recomputed
-        else:
-            kept = layers * layer + recomputed
+    # One hidden state per token: a layer's input, and its attention module's.
+    block_input = tokens * hidden * shape.element
+    attention_internals = bytes_of(tokens, attention_factor(shape.tensor)) - block_input
+
+    def stage_bytes(stage: int, layers: int, checkpointing: Checkpointing) -> int:
+        whole = checkpointing.recomputed(layers)
+        kept = (layers - whole) * layer + recomputed if layers else 0
+        if whole:
+            kept += 0 if checkpointing.offload else whole * block_input
+            # The last block runs its backward first; any after the last recomputed one have
+            # freed theirs by the time it is recomputed.
+            if checkpointing.recomputes(layers - 1):
+                kept += layer
+        if checkpointing.attention and layers:
+            kept -= (layers - 1) * attention_internals
         logits = 2 * 4 * logit_tokens * vocab // shape.tensor if stage == shape.stages - 1 else 0
         return kept + logits
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.checkpointing import Checkpointing
+
 FLOPS_PER_MAC = 2
 TRAINING_PASSES = 3  # forward, then backward's input gradient and weight gradient
 
@@ -98,7 +100,9 @@ class ActivationEstimate:
     """A family's answer to the planner, all of it estimates.
 
     `stage_bytes(stage, blocks, checkpointing)`: the activations one micro-batch leaves for backward
-    on one rank of `stage`, which holds `blocks` of the family's repeating blocks.
+    in device memory on one rank of `stage`, which holds `blocks` of the family's repeating blocks,
+    under activation checkpointing choice `checkpointing` (models/checkpointing.py); what an offloading
+    choice keeps in host memory is the difference from the same choice without offload.
     `tokens` and `hidden`: the positions of a micro-batch on one rank (its slice of each sequence
     under sequence parallelism) and the width of the hidden state that tensor-parallel layers
     all-reduce (0 for a family without a tensor-parallel form).
@@ -107,7 +111,7 @@ class ActivationEstimate:
     sequence parallelism's all-to-alls move in each block (0 for a family without attention).
     """
 
-    stage_bytes: Callable[[int, int, bool], int]
+    stage_bytes: Callable[[int, int, Checkpointing], int]
     tokens: int
     hidden: int
     boundaries: list[int]

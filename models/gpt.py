@@ -222,7 +222,9 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
     """Activations by formula: per transformer layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2
     bytes per element (Korthikanti et al. 2022, eq. 2 with tensor parallelism), as
     `common.decoder_activations` scales and sums them. The MLP's part, which model.tiled_mlp holds
-    for one piece at a time, is the GELU's input and output (16/t) and its dropout mask (1)."""
+    for one piece at a time, is the GELU's input and output (16/t) and its dropout mask (1); the attention
+    module's, which attention-only recompute drops but for its input, is that input (2), the query, key,
+    value and output projection's input (8/t), its dropout mask (1) and the scores (5*a*s/(h*t))."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["n_embd"], arch["n_head"], shape.data["seq_len"]
 
@@ -232,9 +234,12 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
     def mlp_factor(tensor: int) -> float:
         return 16 / tensor + 1
 
+    def attention_factor(tensor: int) -> float:
+        return 3 + 8 / tensor + 5 * heads * seq_len / (hidden * tensor)
+
     # Ulysses moves the query, key, value and attention output, each as wide as the model.
     return common.decoder_activations(
-        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden
+        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden, attention_factor
     )
 
 

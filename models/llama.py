@@ -20,6 +20,7 @@ from torch import nn
 from models import common
 from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
 from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
+from models.kernels import apply_kernels
 from models.tensor_parallel import TensorParallelPlan
 from models.tiling import apply_tiling
 
@@ -143,6 +144,7 @@ def _checkpoint(section: Mapping[str, Any]) -> HFCheckpoint:
 
 def build(section: Mapping[str, Any]) -> nn.Module:
     model = _checkpoint(section).build(section)
+    apply_kernels(model, section)
     apply_tiling(model, section)
     return model
 
@@ -279,6 +281,14 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
         "description": "Mistral only: MistralConfig's sliding_window, the most tokens each attends back over; "
         "null (the default): full causal attention. Must be at least data.seq_len: the pipeline layers mask "
         "causally over the whole sequence, so a shorter window would train a different model.",
+    },
+    "kernels": {
+        "enum": ["none", "liger"],
+        "description": '"liger": Liger-Kernel\'s fused Triton kernels for RMSNorm, the SwiGLU MLP and the rotary '
+        "embedding in place of transformers' (picked by the architecture: Llama, Qwen2, Mistral), on CUDA with "
+        'liger-kernel installed (optional: `pip install liger-kernel`); refused on CPU. The loss is model.loss\'s: '
+        '"fused" is Liger\'s fused linear cross-entropy there.',
+        "default": "none",
     },
     **common.decoder_schema(
         "The 1B and 8B presets assume Llama 3's 128256 tokens; the head splits as the embedding does.",
@@ -437,6 +447,8 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
     softmax and dropout mask (5 * heads * seq_len); there is no residual dropout. Under sequence
     parallelism DeepSpeed repeats each key/value head over SP / kv ranks where there are fewer than
     SP of them, so a rank's keys and values are as wide as max(kv, SP) heads per token of its slice.
+    The attention module's part, which attention-only recompute drops but for its input, is that input
+    (2), the query, keys, values and output projection's input, and the scores.
     `common.decoder_activations` scales and sums them."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["hidden_size"], arch["num_attention_heads"], shape.data["seq_len"]
@@ -450,8 +462,17 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
     def mlp_factor(tensor: int) -> float:
         return mlp / (hidden * tensor)
 
+    def attention_factor(tensor: int) -> float:
+        return 2 + (4 * hidden + 4 * kv_width + 5 * heads * seq_len) / (hidden * tensor)
+
     return common.decoder_activations(
-        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 2 * hidden + 2 * kv_width
+        shape,
+        hidden,
+        shape.section.get("vocab_size"),
+        layer_factor,
+        mlp_factor,
+        2 * hidden + 2 * kv_width,
+        attention_factor,
     )
 
 

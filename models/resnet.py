@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint
 
+from models.checkpointing import EVERY_BLOCK, Checkpointing, checkpoint_function
 from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
 from models.costs import (
     FLOPS_PER_MAC,
@@ -109,8 +109,9 @@ def build(section: Mapping[str, Any]) -> nn.Module:
     init_from = section.get("init_from")
     if init_from is not None:
         _load_init_weights(model, arch, Path(init_from))
-    if section.get("activation_checkpointing", False):
-        apply_activation_checkpointing(model)
+    choice = Checkpointing.of(section.get("activation_checkpointing"))
+    if choice:
+        apply_activation_checkpointing(model, choice)
     return model
 
 
@@ -189,23 +190,25 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [model.layer1, model.layer2, model.layer3, model.layer4]
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each residual block in the backward pass instead of keeping its activations.
+def apply_activation_checkpointing(model: nn.Module, choice: Checkpointing = EVERY_BLOCK) -> None:
+    """Recompute the residual blocks `choice` names (every one, or every k-th) in the backward pass
+    instead of keeping their activations, their inputs in host memory where it offloads.
 
     The block's `forward` is replaced on the instance rather than the block wrapped in another
     module, so parameter names stay those of the plain model: DeepSpeed consolidates checkpoints
     by name, and exports must load into an unwrapped model.
     """
-    for block in residual_blocks(model):
-        block.forward = types.MethodType(_checkpointed_forward, block)
+    forward = functools.partial(_checkpointed_forward, offload=choice.offload)
+    for index, block in enumerate(residual_blocks(model)):
+        if choice.recomputes(index):
+            block.forward = types.MethodType(forward, block)
 
 
-def _checkpointed_forward(block: nn.Module, hidden_state: torch.Tensor) -> torch.Tensor:
-    return checkpoint(
+def _checkpointed_forward(block: nn.Module, hidden_state: torch.Tensor, offload: bool) -> torch.Tensor:
+    return checkpoint_function(offload)(
         type(block).forward,
         block,
         hidden_state,
-        use_reentrant=False,
         context_fn=lambda: (nullcontext(), _running_stats_frozen(block)),
     )
 
@@ -344,6 +347,12 @@ def config_issues(
             f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
             "last stage (a 1x1 map); use a micro-batch of 2 or more",
         )
+    if Checkpointing.of(section.get("activation_checkpointing")).attention:
+        yield (
+            "model.activation_checkpointing",
+            '"attention" recomputes the attention of each transformer block, and a ResNet has none; use true or '
+            '{"every": k} to recompute residual blocks',
+        )
     if section.get("implementation") == "torchvision" and not torchvision_available():
         yield (
             "model.implementation",
@@ -377,13 +386,15 @@ def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
 
 
 def plan_activations(shape: PlanShape) -> ActivationEstimate:
-    """Measured on the meta model: every leaf module's output, shared evenly by the stages, a quarter
-    of it under checkpointing; a stage sends the output of its last layer on."""
+    """Measured on the meta model: every leaf module's output, shared evenly by the stages and its
+    blocks, a quarter of a recomputed block's on the device (none where its inputs are offloaded); a
+    stage sends the output of its last layer on."""
     example = _meta_images(shape.micro_batch, shape.data["image_size"])
     per_stage = module_output_bytes(shape.model, example, shape.element) // shape.stages
 
-    def stage_bytes(stage: int, blocks: int, checkpointing: bool) -> int:
-        return per_stage // 4 if checkpointing else per_stage
+    def stage_bytes(stage: int, blocks: int, checkpointing: Checkpointing) -> int:
+        recomputed = per_stage * checkpointing.recomputed(blocks) // blocks if blocks else 0
+        return per_stage - recomputed + (0 if checkpointing.offload else recomputed // 4)
 
     outputs, hidden = [], example
     for layer in pipeline_layers(shape.model):

@@ -24,6 +24,7 @@ from engine.config.support import unsupported_issues
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware
 from models import FAMILIES, get_family
+from models.kernels import LIGER, liger_installed
 
 Rule = Callable[[dict, int, "Hardware | None"], Iterator[ConfigIssue]]
 
@@ -271,9 +272,11 @@ def check_sequence_parallel(document: dict, world_size: int, hardware: Hardware 
 
 
 def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
-    """ALST's tiled MLP and tiled loss (model.tiled_mlp, model.loss "tiled") where they cannot run."""
+    """ALST's tiled MLP and the loss without whole logits (model.tiled_mlp, model.loss "tiled" or
+    "fused") where they cannot run."""
     model, parallel = document["model"], document["parallel"]
-    tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": model.get("loss") == "tiled"}
+    loss = model.get("loss", "full")
+    tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": loss in ("tiled", "fused")}
     if tiled["model.tiled_mlp"] and effective_backend(document["trainer"]["backend"]) != "deepspeed":
         yield ConfigIssue(
             "model.tiled_mlp",
@@ -300,16 +303,30 @@ def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> 
                     "use ZeRO-1 or 2, or turn it off",
                 )
     if tiled["model.loss"] and parallel["pipeline_parallel_size"] > 1:
+        # A pipeline's last layer is the head and its loss function sees only that layer's output: the
+        # loss would need the last stage to end at the final norm and hand the head to the loss.
         yield ConfigIssue(
             "model.loss",
-            "\"tiled\" is computed in the model's forward, and DeepSpeed's pipeline engine computes the loss from "
-            'the last stage\'s whole logits; use "full", or set parallel.pipeline_parallel_size to 1',
+            f"\"{loss}\" is computed in the model's forward, and DeepSpeed's pipeline engine computes the "
+            'loss from the last stage\'s whole logits; use "full", or set parallel.pipeline_parallel_size to 1',
         )
-    if tiled["model.loss"] and parallel["tensor_parallel_size"] > 1:
+
+
+def check_kernels(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
+    """model.kernels "liger" where Liger's Triton kernels cannot run (models/kernels.py)."""
+    if document["model"].get("kernels", "none") != LIGER:
+        return
+    if hardware is not None and hardware.device_type != "cuda":
         yield ConfigIssue(
-            "model.loss",
-            '"tiled" takes each piece\'s whole logits from the head, which tensor parallelism splits by vocabulary; '
-            'use "full", or set parallel.tensor_parallel_size to 1',
+            "model.kernels",
+            '"liger" runs Triton kernels, which need a CUDA device, and this machine has none; set it to "none" '
+            "(the same model, with transformers' own RMSNorm, SwiGLU and rotary embedding)",
+        )
+    elif not liger_installed():
+        yield ConfigIssue(
+            "model.kernels",
+            '"liger" needs the liger-kernel package, which is not installed; `pip install liger-kernel`, or set it '
+            'to "none"',
         )
 
 
@@ -669,6 +686,7 @@ RULES: tuple[Rule, ...] = (
     check_tensor_parallel,
     check_sequence_parallel,
     check_tiling,
+    check_kernels,
     check_batch,
     check_precision,
     check_zero,

@@ -768,9 +768,33 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
 
 _MODEL_COMMON = {
     "family": _enum(list(FAMILIES), "Model family; selects the registry entry in models/."),
-    "activation_checkpointing": _boolean(
-        "Recompute activations in the backward pass (per transformer block / residual block).", False
-    ),
+    "activation_checkpointing": {
+        "anyOf": [
+            {"type": "boolean"},
+            {"const": "attention"},
+            {
+                "type": "object",
+                "properties": {
+                    "every": _integer(
+                        "Recompute blocks 0, k, 2k, ... whole; the others keep their activations.", 1, minimum=1
+                    ),
+                    "offload": _boolean(
+                        "Keep what the recomputed blocks save for the backward pass, their inputs, in host memory "
+                        "(pinned where CUDA is), copied back for the recomputation.",
+                        False,
+                    ),
+                },
+                "additionalProperties": False,
+            },
+        ],
+        "description": "Recompute activations in the backward pass instead of keeping them: true recomputes every "
+        'transformer block (every residual block of a ResNet); {"every": k} every k-th block, the others keeping '
+        'theirs; "attention" only the attention of each transformer block (Megatron\'s selective recompute: its '
+        'scores are the largest activations and cheap to redo); {"offload": true}, alone or with "every", moves '
+        "the inputs the recomputed blocks keep to host memory. Not under pipeline parallelism, whose stages "
+        "recompute by parallel.pipeline_activation_checkpoint_interval.",
+        "default": False,
+    },
     "init_from": {
         "type": ["string", "null"],
         "description": "Local directory of weights to start from (an HF checkpoint for GPT and Llama, an engine "

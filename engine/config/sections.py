@@ -14,6 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from models.checkpointing import Checkpointing
+
 Section = TypeVar("Section")
 
 
@@ -35,7 +37,7 @@ class ModelSection:
 
     family: str
     preset: str | None  # None where model.init_from's config.json decided the architecture
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     init_from: str | None
     fields: Mapping[str, Any]
 
@@ -44,7 +46,7 @@ class ModelSection:
         return cls(
             family=section["family"],
             preset=section.get("preset"),
-            activation_checkpointing=section["activation_checkpointing"],
+            activation_checkpointing=Checkpointing.of(section["activation_checkpointing"]),
             init_from=section["init_from"],
             fields=MappingProxyType(dict(section)),
         )
@@ -71,7 +73,7 @@ class ModelSection:
 
     @property
     def loss(self) -> str:
-        """How a decoder computes its training loss: "full" logits, or "tiled" (TiledFusedLogitsLoss)."""
+        """How a decoder computes its loss: "full" logits, "tiled" or "fused" (models/tiling.py)."""
         return self.fields.get("loss", "full")
 
 

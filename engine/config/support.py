@@ -78,11 +78,17 @@ def unsupported_issues(document: dict) -> Iterator[ConfigIssue]:
             "or drop the section",
         )
     checkpointing = document.get("activation_checkpointing", {})
-    if any(value is True for value in checkpointing.values()) and not pipelined:
+    if any(value is True for value in checkpointing.values()):
+        # DeepSpeed's engine never reads this section: Megatron-DeepSpeed calls
+        # `deepspeed.checkpointing.configure` itself. Called for the pipeline stages, its
+        # cpu_checkpointing failed inside DeepSpeed's non-reentrant checkpoint (a stage's input
+        # arrived empty), so the options are refused rather than read and left without effect.
         yield ConfigIssue(
             "activation_checkpointing",
-            "DeepSpeed's activation checkpointing runs inside its pipeline engine only; a whole model recomputes "
-            "through model.activation_checkpointing (torch's checkpoint, which has none of these options)",
+            "DeepSpeed's own activation checkpointing options take effect only where a training script calls "
+            "deepspeed.checkpointing.configure (Megatron-DeepSpeed does); here pipeline stages recompute through "
+            "parallel.pipeline_activation_checkpoint_interval and whole models through "
+            'model.activation_checkpointing (every block, {"every": k}, "attention", {"offload": true})',
         )
     yield from _writer_issues(document.get("checkpoint", {}).get("writer"), document["trainer"]["async_save"])
 

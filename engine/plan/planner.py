@@ -9,11 +9,12 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from engine.config import ConfigError, ConfigIssue, EngineConfig
 from engine.launch.hardware import Hardware, detect_hardware
-from engine.parallel.layout import Coordinates, parallel_layout
+from engine.parallel.layout import Coordinates, ParallelLayout, parallel_layout
 from engine.plan.data import DataMemory, DataSizes, data_memory
 from engine.plan.estimate import (
     Communication,
@@ -35,6 +36,7 @@ from engine.plan.states import (
     state_bytes,
 )
 from models import get_family
+from models.checkpointing import EVERY_BLOCK, NONE, SUGGESTED, Checkpointing
 from models.costs import PlanShape
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -57,9 +59,10 @@ class RankPlan:
     where: Coordinates
     layers: str
     states: StateBytes
-    activations: int  # estimate, at the configured activation checkpointing
-    activations_other: int  # estimate with checkpointing switched the other way
+    activations: int  # estimate, on the device, at the configured activation checkpointing
+    activations_other: int  # estimate with checkpointing switched the other way (off, or every block)
     communication: Communication
+    activations_offloaded: int = 0  # estimate, in host memory: what an offloading choice moves there
 
     @property
     def device(self) -> int:
@@ -71,13 +74,17 @@ class Plan:
     config: EngineConfig
     ranks: list[RankPlan]
     bubble: float
-    checkpointing: bool
+    checkpointing: Checkpointing
     adam_share: str  # "1/8": the fraction of the optimizer states each rank holds
     data: DataMemory | None  # None: the plan was not given the data's sizes
     one_pool: bool  # no accelerator: the device is the host, and every byte a rank holds is host memory
     ranks_per_node: int
     trainable: int = 0  # parameters that train, each tensor once (the whole model's, unsplit)
     frozen: int = 0  # parameters that do not (model.lora's base)
+    # Each choice `plan --suggest` tries, with the busiest rank's activations on the device and in
+    # host memory under it; empty under pipeline parallelism (an interval of pipeline layers decides)
+    # and for a family whose checkpointing is not suggested.
+    choices: tuple[tuple[Checkpointing, int, int], ...] = ()
 
     @property
     def device_peak(self) -> int:
@@ -90,6 +97,7 @@ class Plan:
         copy in it). What lives on NVMe is in none of them."""
         states = rank.states
         held = states.total + rank.activations if self.one_pool else states.offloaded
+        held += rank.activations_offloaded
         return held + states.host_buffers + (self.data.private if self.data else 0)
 
     @property
@@ -227,9 +235,9 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     document = config.document
     micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
     element = 4 if config.compute_precision == "fp32" else 2
-    checkpointing = bool(config.model.activation_checkpointing) or (
-        layout.pipeline > 1 and config.parallel.pipeline_activation_checkpoint_interval > 0
-    )
+    checkpointing = config.model.activation_checkpointing
+    if layout.pipeline > 1:
+        checkpointing = EVERY_BLOCK if config.parallel.pipeline_activation_checkpoint_interval > 0 else NONE
     blocks = family.pipeline.num_blocks(family.architecture(config.model.fields))
     estimate = family.plan_activations(
         PlanShape(
@@ -244,6 +252,16 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
             layout.sequence,
         )
     )
+
+    def activations(where: Coordinates, choice: Checkpointing) -> tuple[int, int]:
+        """One rank's activations under `choice`: on the device, and offloaded to host memory."""
+        # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
+        in_flight = min(layout.pipeline - where.stage, accumulation)
+        stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
+        device = estimate.stage_bytes(where.stage, stage_blocks, choice)
+        kept = estimate.stage_bytes(where.stage, stage_blocks, replace(choice, offload=False))
+        return in_flight * device, in_flight * (kept - device)
+
     ranks = []
     for rank in range(layout.world_size):
         where = layout.coordinates(rank)
@@ -259,9 +277,8 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
             zero_rank = where.data * layout.sequence + where.sequence
             frozen_numels = [math.prod(s) for s in frozen]
             states = state_bytes(groups, zero, layout.zero_ranks, zero_rank, optimizer, frozen_numels)
-        # 1F1B: stage s keeps up to p - s micro-batches' activations in flight.
-        in_flight = min(layout.pipeline - where.stage, accumulation)
         stage_blocks = _stage_blocks(blocks, layout.pipeline, where.stage)
+        device, offloaded = activations(where, checkpointing)
         communication = Communication(
             data_parallel_bytes(zero.stage, sum(stage), element, layout.zero_ranks, sum(map(math.prod, frozen))),
             tensor_parallel_bytes(stage_blocks, estimate.hidden, estimate.tokens, element, layout.tensor, accumulation),
@@ -276,9 +293,10 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
                 where,
                 f"layers {parts[where.stage]}-{parts[where.stage + 1] - 1}",
                 states,
-                in_flight * estimate.stage_bytes(where.stage, stage_blocks, checkpointing),
-                in_flight * estimate.stage_bytes(where.stage, stage_blocks, not checkpointing),
+                device,
+                activations(where, NONE if checkpointing else EVERY_BLOCK)[0],
                 communication,
+                offloaded,
             )
         )
     share = layout.zero_ranks if zero.stage >= 1 else 1
@@ -297,6 +315,24 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
         hardware.local_world_size,
         sum(math.prod(shape) for shape in shapes),
         sum(math.prod(shape) for shape in frozen),
+        _choices(activations, layout, family.suggests_checkpointing),
+    )
+
+
+def _choices(
+    activations: Callable[[Coordinates, Checkpointing], tuple[int, int]], layout: ParallelLayout, suggested: bool
+) -> tuple[tuple[Checkpointing, int, int], ...]:
+    """Each suggested checkpointing choice with the busiest rank's device and host activations."""
+    if layout.pipeline > 1 or not suggested:
+        return ()
+    coordinates = [layout.coordinates(rank) for rank in range(layout.world_size)]
+    return tuple(
+        (
+            choice,
+            max(activations(where, choice)[0] for where in coordinates),
+            max(activations(where, choice)[1] for where in coordinates),
+        )
+        for choice in SUGGESTED
     )
 
 

@@ -3,6 +3,8 @@ told rank by rank (`python -m engine explain`), and the layouts that fit (`--sug
 
 from __future__ import annotations
 
+import json
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ from engine.plan.data import DataSizes
 from engine.plan.planner import Plan, nvme_bytes, plan_run, swap_paths, zero_settings
 from engine.plan.states import StateBytes
 from models import get_family
+from models.checkpointing import SUGGESTED
 
 
 def table(plan: Plan) -> str:
@@ -46,6 +49,9 @@ def table(plan: Plan) -> str:
             f"{format_bytes(rank.communication.total):>12}"
         )
     other = "without" if plan.checkpointing else "with"
+    checkpointing = (
+        f"activation checkpointing {plan.checkpointing.label}" if plan.checkpointing else "no activation checkpointing"
+    )
     if config.trainer.backend != "accelerate":
         rules = "DeepSpeed's partitioning and padding"
     elif config.zero_stage == 0:
@@ -54,11 +60,13 @@ def table(plan: Plan) -> str:
         rules = "torch FSDP2's padded row pieces"
     lines.append(
         f"parameters, gradients and optimizer states are exact ({rules}); "
-        f"* estimates: activations {'with' if plan.checkpointing else 'without'} activation checkpointing "
+        f"* estimates: activations under {checkpointing} "
         f"({other} it: {format_bytes(max(r.activations_other for r in plan.ranks))} at most), "
         f"communication by ring collectives{' and all-to-alls' if sequenced else ''}; pipeline bubble "
         f"{plan.bubble:.1%}"
     )
+    if plan.choices:
+        lines.append(choices_line(plan))
     if plan.frozen:
         lines.append(adapters_line(plan))
     lines.append(data_line(plan))
@@ -71,6 +79,16 @@ def table(plan: Plan) -> str:
             f"the busiest rank; {format_bytes(plan.host_total)} for {_node(plan)}, the data's shared pages once"
         )
     return "\n".join(lines)
+
+
+def choices_line(plan: Plan) -> str:
+    """The busiest rank's activations under each model.activation_checkpointing choice, least
+    recompute first (models/checkpointing.py)."""
+    told = []
+    for choice, device, host in plan.choices:
+        offloaded = f" + {format_bytes(host)} in host memory" if host else ""
+        told.append(f"{json.dumps(choice.value)} ({choice.label}) {format_bytes(device)}{offloaded}")
+    return "activations by model.activation_checkpointing, least recompute first: " + "; ".join(told)
 
 
 def adapters_line(plan: Plan) -> str:
@@ -313,7 +331,8 @@ def suggest(
                     if world % (tensor * pipeline):
                         continue
                     for size in micro_batches:
-                        for checkpointing in (False, True):
+                        # The least recompute that fits: recomputing more would only cost time.
+                        for checkpointing in _checkpointing_overrides(config, pipeline):
                             overrides = [
                                 f"zero_optimization.stage={stage}",
                                 "zero_optimization.offload_optimizer.device=none",
@@ -324,7 +343,7 @@ def suggest(
                                 f"train_micro_batch_size_per_gpu={size}",
                                 f"train_batch_size={config.document['train_batch_size']}",
                                 "gradient_accumulation_steps=auto",
-                                _checkpointing_override(config, pipeline, checkpointing),
+                                *checkpointing,
                             ]
                             try:
                                 plan = plan_run(load(overrides), hardware, data)
@@ -333,23 +352,29 @@ def suggest(
                             fits, _ = verdict(plan, device_memory, host_memory)
                             if fits:
                                 found.append(Candidate(overrides, plan))
+                                break
     found.sort(key=lambda candidate: (candidate.plan.communication, candidate.plan.device_peak))
     return found
 
 
-def _checkpointing_override(config: EngineConfig, pipeline: int, on: bool) -> str:
+def _checkpointing_overrides(config: EngineConfig, pipeline: int) -> list[list[str]]:
+    """The activation checkpointing `suggest` tries on a layout, least recompute first: pipeline
+    stages recompute by layer interval, other layouts by model.activation_checkpointing's choices
+    (`SUGGESTED`) where the family's estimate tells them apart."""
     if pipeline > 1:
-        return f"parallel.pipeline_activation_checkpoint_interval={1 if on else 0}"
-    if get_family(config.model.family).suggests_checkpointing:
-        return f"model.activation_checkpointing={'true' if on else 'false'}"
-    return "parallel.pipeline_activation_checkpoint_interval=0"
+        off = "model.activation_checkpointing=false"
+        return [[off, f"parallel.pipeline_activation_checkpoint_interval={interval}"] for interval in (0, 1)]
+    interval = "parallel.pipeline_activation_checkpoint_interval=0"
+    if not get_family(config.model.family).suggests_checkpointing:
+        return [[interval]]
+    return [[interval, f"model.activation_checkpointing={json.dumps(choice.value)}"] for choice in SUGGESTED]
 
 
 def describe_candidate(candidate: Candidate) -> str:
     config, plan = candidate.plan.config, candidate.plan
     zero = config.document["zero_optimization"]
     offload = [name for name in ("optimizer", "param") if zero[f"offload_{name}"]["device"] != "none"]
-    checkpointing = "on" if plan.checkpointing else "off"
+    checkpointing = plan.checkpointing.label
     host = f"host {format_bytes(plan.host_total)}"
     memory = f"{host} (one pool)" if plan.one_pool else f"device {format_bytes(plan.device_peak)}, {host}"
     return (
@@ -358,5 +383,6 @@ def describe_candidate(candidate: Candidate) -> str:
         + f", TP {config.parallel.tensor_parallel_size}, PP {config.parallel.pipeline_parallel_size}, "
         f"micro-batch {config.document['train_micro_batch_size_per_gpu']} x "
         f"{config.document['gradient_accumulation_steps']}, checkpointing {checkpointing}: {memory}, "
-        f"comm {format_bytes(plan.communication)}/step\n    --set " + " --set ".join(candidate.overrides)
+        f"comm {format_bytes(plan.communication)}/step\n    --set "
+        + " --set ".join(map(shlex.quote, candidate.overrides))
     )

@@ -155,3 +155,28 @@ def test_every_precision_trains_saves_resumes_and_exports_on_one_gpu(precision: 
     for name, tensor in exported.items():
         assert tensor.dtype == torch.float32, name
         torch.testing.assert_close(tensor, expected[name], **RESUME_TOLERANCE, msg=name)
+
+
+@pytest.mark.gpu
+def test_liger_kernels_and_fused_loss_match_the_plain_llama_in_bf16():
+    """model.kernels "liger" (RMSNorm, SwiGLU, RoPE) and model.loss "fused" (Liger's fused linear
+    cross-entropy) on the tiny Llama in bf16 on CUDA: the plain model's loss and gradients, to bf16's
+    rounding."""
+    pytest.importorskip("liger_kernel")
+    from models import get_family
+    from models.common import compute_loss, seed_everything
+
+    section = {"family": "llama", "preset": "tiny", "vocab_size": 256, "max_position_embeddings": 128}
+    models = []
+    for extra in ({}, {"kernels": "liger", "loss": "fused"}):
+        seed_everything(0)
+        models.append(get_family("llama").build({**section, **extra}).to("cuda", torch.bfloat16))
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 128), generator=generator).cuda()
+    labels = torch.randint(0, 256, (2, 128), generator=generator).cuda()
+    plain, liger = (compute_loss(model, {"input_ids": ids, "labels": labels}) for model in models)
+    plain.backward()
+    liger.backward()
+    torch.testing.assert_close(liger.float(), plain.float(), rtol=2e-2, atol=2e-2)
+    for (name, reference), parameter in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad.float(), reference.grad.float(), rtol=5e-2, atol=5e-2, msg=name)

@@ -81,7 +81,8 @@ LAYOUTS = [
             "parallel.pipeline_activation_checkpoint_interval": 1,
         },
     ),
-    Layout("tp2", GPT, 2, TP2),
+    # The tied head split by vocabulary, called by the tiled loss piece by piece (models/tiling.py).
+    Layout("tp2", GPT, 2, {**TP2, "model.loss": "tiled"}),
     Layout("tp2_dp2_zero2", GPT, 4, {**TP2, "zero_optimization.stage": 2}),
     Layout("pp2_dp2_zero1_2_micro_batches", GPT, 4, {**PP2, **TWO_MICRO_BATCHES, "zero_optimization.stage": 1}),
     Layout("pp2_tp2", GPT, 4, SHARED_RUNS["gpt_pp2_tp2"].layout, shared="gpt_pp2_tp2"),

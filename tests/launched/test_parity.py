@@ -133,12 +133,23 @@ def test_compiled_model_trains_as_the_eager_reference(tmp_path: Path):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("launcher", [launch, launch_accelerate], ids=["deepspeed_zero3", "accelerate_fsdp_full"])
-def test_activation_checkpointing_trains_as_the_reference(launcher: Callable[..., Run], tmp_path: Path):
-    """model.activation_checkpointing recomputes each block in backward; under ZeRO-3 and FSDP the
-    recompute gathers the block's parameters again. Without dropout the recompute is exact, so the
+@pytest.mark.parametrize(
+    "launcher, checkpointing",
+    [(launch, "attention"), (launch_accelerate, {"every": 2})],
+    ids=["deepspeed_zero3_attention", "accelerate_fsdp_full_every_2"],
+)
+def test_activation_checkpointing_trains_as_the_reference(
+    launcher: Callable[..., Run], checkpointing: object, tmp_path: Path
+):
+    """model.activation_checkpointing recomputes in backward each block's attention (its module's
+    forward patched on the instance) or every second block whole; under ZeRO-3 and FSDP the
+    recompute gathers the parameters again. Without dropout the recompute is exact, so the
     reference (built with checkpointing too, in one process) is matched bit for bit."""
-    overrides = {"zero_optimization.stage": 3, "model.activation_checkpointing": True, "gradient_clipping": 0.0}
+    overrides = {
+        "zero_optimization.stage": 3,
+        "model.activation_checkpointing": checkpointing,
+        "gradient_clipping": 0.0,
+    }
     run = launcher(CONFIGS["gpt"], overrides, tmp_path / "run")
     backend = "accelerate" if launcher is launch_accelerate else "deepspeed"
     reference = reference_run(CONFIGS["gpt"], {**overrides, "trainer.backend": backend}, world_size=2)

@@ -21,6 +21,7 @@ from bench import (
     hostcost,
     infinity,
     memory,
+    memory_walls,
     nanogpt,
     optimizer_step,
     sequence,
@@ -102,6 +103,10 @@ LAUNCHED = [
         )
         for degree in sequence.DEGREES
         for length in (sequence.REFERENCE, *sequence.LENGTHS)
+    ),
+    *(
+        pytest.param(memory_walls.CONFIG, point.sets(1), 1, id=f"memory-walls-{point.name}")
+        for point in memory_walls.points()
     ),
 ]
 

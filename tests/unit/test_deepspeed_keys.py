@@ -184,7 +184,16 @@ def test_deepspeed_only_keys_left_off_or_auto_pass_under_accelerate():
             "torch's FSDP under the accelerate backend offloads to host memory only",
         ),
         ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type", "'Lamb' is a DeepSpeed optimizer"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing", "pipeline engine"),
+        (
+            {"activation_checkpointing": {"partition_activations": True}},
+            "activation_checkpointing",
+            "deepspeed.checkpointing.configure",
+        ),
+        (
+            {"activation_checkpointing": {"cpu_checkpointing": True}, "parallel": {"pipeline_parallel_size": 2}},
+            "activation_checkpointing",
+            "parallel.pipeline_activation_checkpoint_interval",
+        ),
     ],
 )
 def test_deepspeed_features_the_engine_cannot_honour_say_why(changes: dict, path: str, phrase: str):

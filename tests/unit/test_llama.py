@@ -318,6 +318,7 @@ def test_flops_per_token_match_a_counted_forward(tied: bool, arch: dict):
 
 
 def test_plan_activations_shrink_with_tensor_parallelism_and_checkpointing():
+    from models.checkpointing import EVERY_BLOCK, NONE
     from models.costs import PlanShape
 
     section = {**TINY, "vocab_size": 64}
@@ -325,8 +326,8 @@ def test_plan_activations_shrink_with_tensor_parallelism_and_checkpointing():
         LLAMA.plan_activations(PlanShape(section, {"seq_len": 32}, None, (), 2, tensor, 4, 2)) for tensor in (1, 2)
     ]
     whole, split = estimates
-    assert whole.stage_bytes(0, 2, False) > split.stage_bytes(0, 2, False) > split.stage_bytes(0, 2, True)
-    assert whole.stage_bytes(1, 1, False) - whole.stage_bytes(0, 1, False) == 2 * 4 * 4 * 32 * 64
+    assert whole.stage_bytes(0, 2, NONE) > split.stage_bytes(0, 2, NONE) > split.stage_bytes(0, 2, EVERY_BLOCK)
+    assert whole.stage_bytes(1, 1, NONE) - whole.stage_bytes(0, 1, NONE) == 2 * 4 * 4 * 32 * 64
     assert whole.boundaries == [4 * 32 * 32] and whole.hidden == 32
 
 

@@ -29,7 +29,7 @@ def planned(world_size: int, sequence: int, *overrides: str):
 def activations(plan, checkpointing: bool) -> int:
     """The busiest rank's activations with activation checkpointing on or off."""
     return max(
-        rank.activations if plan.checkpointing == checkpointing else rank.activations_other for rank in plan.ranks
+        rank.activations if bool(plan.checkpointing) == checkpointing else rank.activations_other for rank in plan.ranks
     )
 
 

@@ -1,7 +1,7 @@
 """parallel.sequence_parallel_size (and DeepSpeed's top-level spelling of it) through the public
 validate path: the world it splits, what reaches DeepSpeed, and each thing DeepSpeed's Ulysses
 cannot run, refused before any process group with one message naming the field. Likewise
-model.tiled_mlp and model.loss "tiled" where they cannot run. The runs themselves are launched
+model.tiled_mlp and model.loss "tiled" and "fused" where they cannot run. The runs themselves are launched
 tests (tests/launched/)."""
 
 from __future__ import annotations
@@ -254,19 +254,26 @@ def test_the_tiling_keys_default_off_for_the_decoders_only():
             "loss from the last stage's whole logits",
         ),
         (
-            base(model__loss="tiled", parallel={"tensor_parallel_size": 2}),
+            base(model__loss="fused", parallel={"pipeline_parallel_size": 2}),
             2,
-            'model.loss: "tiled" takes each piece\'s whole logits from the head, which tensor parallelism splits by '
-            "vocabulary",
+            "model.loss: \"fused\" is computed in the model's forward, and DeepSpeed's pipeline engine computes the "
+            "loss from the last stage's whole logits",
         ),
     ],
-    ids=["tiled_mlp_accelerate", "tiled_loss_pipeline", "tiled_loss_tensor_parallel"],
+    ids=["tiled_mlp_accelerate", "tiled_loss_pipeline", "fused_loss_pipeline"],
 )
 def test_tiling_is_refused_where_it_cannot_run(document: dict, world_size: int, expected: str):
     assert [issue for issue in issues_of(document, world_size) if issue.startswith(expected)], expected
 
 
-@pytest.mark.parametrize("key, value", [("tiled_mlp", True), ("loss", "tiled")])
+@pytest.mark.parametrize("loss", ["tiled", "fused"])
+def test_the_loss_without_whole_logits_runs_under_tensor_parallelism(loss: str):
+    """Each piece's logits come whole from the vocabulary-split head, which gathers them."""
+    document = base(model__loss=loss, parallel={"tensor_parallel_size": 2})
+    assert check_document(document, 2, CPU)["model"]["loss"] == loss
+
+
+@pytest.mark.parametrize("key, value", [("tiled_mlp", True), ("loss", "tiled"), ("loss", "fused")])
 def test_tiling_unpacked_conversations_under_zero3_is_refused(key: str, value: object):
     """Each rank would cut its own micro-batch's length into its own number of pieces, and ZeRO-3
     gathers the weights once per piece."""
@@ -282,3 +289,11 @@ def test_tiling_unpacked_conversations_under_zero3_is_refused(key: str, value: o
 def test_the_tiled_mlp_with_dropout_is_refused():
     (issue,) = issues_of(llama(tiled_mlp=True, dropout=0.1))
     assert issue.startswith("model.tiled_mlp: with model.dropout 0.1: DeepSpeed's tiled MLP computes each piece again")
+
+
+def test_liger_kernels_are_refused_without_a_cuda_device():
+    """model.kernels "liger" needs Triton on CUDA: on this CPU machine the config is refused with the
+    reason, naming the key; the default builds transformers' own modules."""
+    (issue,) = issues_of(llama(kernels="liger"))
+    assert issue.startswith('model.kernels: "liger" runs Triton kernels, which need a CUDA device')
+    assert check_document(base(), 1, CPU)["model"]["kernels"] == "none"

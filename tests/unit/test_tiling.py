@@ -1,7 +1,10 @@
-"""model.tiled_mlp (DeepSpeed's TiledMLP) and model.loss "tiled" (models/tiling.py) compute what the
-untiled model computes: the same loss and gradients for GPT (tied head) and Llama (untied), with
-masked labels, divided by a global target count or not, over several pieces of the MLP and of the
-loss; evaluation still gets the logits; no parameter is renamed."""
+"""model.tiled_mlp (DeepSpeed's TiledMLP) and model.loss "tiled" and "fused" (models/tiling.py; on
+the CPU "fused" is the tiled loss) compute what the untiled model computes: the same loss and
+gradients for GPT (tied head) and Llama (untied and tied), with masked labels, divided by a global
+target count or not, over several pieces of the MLP and of the loss; compiled into one graph, under
+ZeRO-3 and behind the vocabulary-split heads of tensor parallelism (a group of one here: two ranks
+train in tests/launched/test_model_parallel.py's tp2 row); the evaluation sums are the full logits'
+sums; evaluation without labels still gets the logits; no parameter is renamed."""
 
 from __future__ import annotations
 
@@ -10,18 +13,43 @@ import torch
 
 import models.common
 from models import get_family
-from models.common import IGNORE_INDEX, compute_loss, seed_everything, tiled_loss_pieces, tiled_mlp_pieces
+from models.common import (
+    IGNORE_INDEX,
+    compute_loss,
+    eval_sums,
+    pipeline_eval_sums,
+    seed_everything,
+    tiled_loss_pieces,
+    tiled_mlp_pieces,
+)
+from models.tensor_parallel import apply_tensor_parallel
+from tests.support.process_group import world_of_one  # noqa: F401 (a fixture: pytest finds it by name)
 
 VOCAB, LENGTH = 96, 64
 SECTIONS = {
     "llama": {"family": "llama", "preset": "tiny", "vocab_size": VOCAB, "max_position_embeddings": LENGTH},
     "gpt": {"family": "gpt", "preset": "tiny", "vocab_size": VOCAB},
 }
+SECTIONS["llama_tied"] = {**SECTIONS["llama"], "tie_word_embeddings": True}
+LOSSES = ["tiled", "fused"]
 
 
 def built(family: str, **tiling: object) -> torch.nn.Module:
     seed_everything(0)
-    return get_family(family).build({**SECTIONS[family], **tiling})
+    section = SECTIONS[family]
+    return get_family(section["family"]).build({**section, **tiling})
+
+
+@pytest.fixture
+def eight_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 16 positions' logits: 8 pieces of the loss of a batch of 2 x 64."""
+    monkeypatch.setattr(models.common, "LOSS_PIECE_BYTES", 16 * VOCAB * 4)
+    assert tiled_loss_pieces(2 * LENGTH, VOCAB) == 8
+
+
+def assert_same_gradients(expected: torch.nn.Module, gradients: list[torch.Tensor]) -> None:
+    for (name, parameter), grad in zip(expected.named_parameters(), gradients, strict=True):
+        torch.testing.assert_close(grad, parameter.grad, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.fixture
@@ -33,24 +61,91 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, VOCAB, (2, LENGTH), generator=generator), "labels": labels}
 
 
+@pytest.mark.usefixtures("eight_pieces")
+@pytest.mark.parametrize("loss_name", LOSSES)
 @pytest.mark.parametrize("family", list(SECTIONS))
 @pytest.mark.parametrize("divisor", [None, 40.0], ids=["mean", "global_count"])
 def test_tiled_mlp_and_loss_give_the_untiled_loss_and_gradients(
-    family: str, divisor: float | None, batch: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+    family: str, loss_name: str, divisor: float | None, batch: dict[str, torch.Tensor]
 ):
-    # Pieces of 16 positions' logits: 8 pieces of the loss; the MLP cuts 64 positions of width 32 or
-    # 64 into 2 or 1 pieces.
-    monkeypatch.setattr(models.common, "LOSS_PIECE_BYTES", 16 * VOCAB * 4)
-    assert tiled_loss_pieces(2 * LENGTH, VOCAB) == 8
-    plain, tiled = built(family), built(family, tiled_mlp=True, loss="tiled")
+    # The MLP cuts 64 positions of width 32 or 64 into 2 or 1 pieces.
+    plain, tiled = built(family), built(family, tiled_mlp=True, loss=loss_name)
     assert plain.state_dict().keys() == tiled.state_dict().keys()
     count = None if divisor is None else torch.tensor(divisor)
     expected, loss = compute_loss(plain, batch, count), compute_loss(tiled, batch, count)
     expected.backward()
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    for (name, parameter), twin in zip(plain.named_parameters(), tiled.parameters(), strict=True):
-        torch.testing.assert_close(twin.grad, parameter.grad, rtol=0, atol=1e-6, msg=name)
+    assert_same_gradients(plain, [parameter.grad for parameter in tiled.parameters()])
+
+
+@pytest.mark.usefixtures("eight_pieces")
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("family", list(SECTIONS))
+def test_evaluation_sums_the_pieces_as_the_full_logits_would(
+    family: str, loss_name: str, batch: dict[str, torch.Tensor]
+):
+    plain, tiled = built(family).eval(), built(family, loss=loss_name).eval()
+    with torch.no_grad():
+        full = pipeline_eval_sums(plain(input_ids=batch["input_ids"]).logits, batch["labels"])
+        sums, tiled_sums = eval_sums(plain, batch), eval_sums(tiled, batch)
+        assert tiled(input_ids=batch["input_ids"], shift_labels=batch["labels"]).logits is None
+    assert sums["tokens"] == tiled_sums["tokens"] == full["tokens"] == (batch["labels"] != IGNORE_INDEX).sum()
+    torch.testing.assert_close(sums["loss_sum"], full["loss_sum"], rtol=1e-7, atol=0)
+    torch.testing.assert_close(tiled_sums["loss_sum"], full["loss_sum"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.usefixtures("eight_pieces")
+def test_the_tiled_loss_compiles_into_one_graph_with_the_model(batch: dict[str, torch.Tensor]):
+    """As DeepSpeed's `engine.compile()` compiles it (`Module.compile`, which calls the instance's
+    forward): every piece and its checkpoint in one graph. AOT autograd without inductor's code
+    generation, which would cost half a minute of C++ compilation here."""
+    plain, tiled = built("llama"), built("llama", loss="tiled")
+    tiled.compile(backend="aot_eager", fullgraph=True)
+    expected, loss = compute_loss(plain, batch), compute_loss(tiled, batch)
+    expected.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert_same_gradients(plain, [parameter.grad for parameter in tiled.parameters()])
+
+
+@pytest.mark.usefixtures("eight_pieces", "world_of_one")
+@pytest.mark.parametrize("loss_name", LOSSES)
+def test_under_zero3_the_pieces_gather_the_partitioned_head(loss_name: str, batch: dict[str, torch.Tensor]):
+    """ZeRO-3 holds the head's weight whole only inside the head's forward, which each piece calls."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    plain, tiled = built("llama"), built("llama", loss=loss_name)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}
+    engine, *_ = deepspeed.initialize(model=tiled, model_parameters=tiled.parameters(), config=config)
+    assert tiled.lm_head.weight.numel() == 0  # partitioned
+    count = torch.tensor(40.0)
+    expected, loss = compute_loss(plain, batch, count), compute_loss(engine, batch, count)
+    expected.backward()
+    engine.backward(loss)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert_same_gradients(plain, [safe_get_full_grad(parameter) for parameter in tiled.parameters()])
+
+
+@pytest.mark.usefixtures("eight_pieces", "world_of_one")
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_vocabulary_split_heads_give_each_piece_its_logits(
+    family: str, loss_name: str, batch: dict[str, torch.Tensor]
+):
+    """GPT's tied head becomes the sharded embedding's projection (TiedVocabHead), Llama's untied one
+    a VocabParallelHead: each piece calls the head as the full logits would."""
+    import torch.distributed as dist
+
+    plain, tiled = built(family), built(family, loss=loss_name)
+    apply_tensor_parallel(tiled, get_family(family).tensor_parallel, dist.group.WORLD)
+    assert type(tiled.get_output_embeddings()).__name__ == ("TiedVocabHead" if family == "gpt" else "VocabParallelHead")
+    expected, loss = compute_loss(plain, batch), compute_loss(tiled, batch)
+    expected.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert_same_gradients(plain, [parameter.grad for parameter in tiled.parameters()])
 
 
 def test_llama_mlp_is_cut_into_pieces(batch: dict[str, torch.Tensor]):
@@ -58,7 +153,7 @@ def test_llama_mlp_is_cut_into_pieces(batch: dict[str, torch.Tensor]):
     assert tiled_mlp_pieces(LENGTH, built("llama").config.hidden_size) == 2
 
 
-@pytest.mark.parametrize("family", list(SECTIONS))
+@pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_evaluation_still_gets_the_logits(family: str, batch: dict[str, torch.Tensor]):
     plain, tiled = built(family).eval(), built(family, tiled_mlp=True, loss="tiled").eval()
     with torch.no_grad():
