@@ -18,6 +18,7 @@ from bench import (
     hostcost,
     infinity,
     memory,
+    memory_walls,
     optimizer_step,
     sequence,
     sft,
@@ -45,6 +46,9 @@ BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "checkpointing": checkpointing.run,  # 9: training time lost per save, sync and async; SIGTERM to exit
     "sft": sft.run,  # 10: chat fine-tuning with LoRA against TRL's SFTTrainer: tokens/s and loss
     "sequence": sequence.run,  # 11: memory per rank against sequence length, SP 1 and SP 2; step time ratio
+    # 12: a 128,256-token vocabulary: the loss's memory and step time, full and fused, and each
+    # activation-checkpointing choice, beside the planner's figures
+    "memory-walls": memory_walls.run,
 }
 
 

@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.data import watch_ranks
@@ -92,12 +93,19 @@ def planned_activations(sets: list[str], ranks: int) -> int:
 
 
 def trial(degree: int, length: int, threads: int) -> Trial:
-    """The engine under the `deepspeed` launcher on `degree` ranks, each rank's peak RSS watched."""
-    sets = launch_sets(degree, length, threads)
-    run_dir = RUNS / "sequence" / f"sp{degree}-{length}"
+    """SP `degree` on as many ranks at `length` tokens, printed."""
+    measured = launch(launch_sets(degree, length, threads), degree, RUNS / "sequence" / f"sp{degree}-{length}")
+    ranks = ", ".join(f"rank {rank} {peak / MIB:,.0f} MiB" for rank, peak in sorted(measured.peak_rss.items()))
+    print(f"  SP {degree}, {length} tokens: {measured.seconds_per_step:.3f} s/step; peak RSS {ranks}", flush=True)
+    return measured
+
+
+def launch(sets: list[str], ranks: int, run_dir: Path) -> Trial:
+    """The engine under the `deepspeed` launcher on `ranks` ranks told `sets`, each rank's peak RSS
+    watched; its files in a fresh `run_dir`."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh directory: no earlier metrics
     run_dir.mkdir(parents=True)
-    command = ["deepspeed", "--num_gpus", str(degree), "--master_port", str(free_port())]
+    command = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port())]
     command += ["engine/main.py", "--deepspeed_config", str(CONFIG)]
     command += [arg for value in [*sets, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
     log = run_dir / "trial.log"
@@ -107,13 +115,10 @@ def trial(degree: int, length: int, threads: int) -> Trial:
     if process.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
         raise RuntimeError(f"deepspeed ... exited {process.returncode}; log {log}:\n{tail}")
-    if sorted(peaks) != list(range(degree)):
-        raise RuntimeError(f"{run_dir}: read the peak RSS of ranks {sorted(peaks)} of {degree} (is /proc there?)")
+    if sorted(peaks) != list(range(ranks)):
+        raise RuntimeError(f"{run_dir}: read the peak RSS of ranks {sorted(peaks)} of {ranks} (is /proc there?)")
     steps = [record["step_time_s"] for record in read_records(run_dir) if record["step"] > 1]
-    measured = Trial(peaks, statistics.median(steps), planned_activations(sets, degree))
-    ranks = ", ".join(f"rank {rank} {peak / MIB:,.0f} MiB" for rank, peak in sorted(peaks.items()))
-    print(f"  SP {degree}, {length} tokens: {measured.seconds_per_step:.3f} s/step; peak RSS {ranks}", flush=True)
-    return measured
+    return Trial(peaks, statistics.median(steps), planned_activations(sets, ranks))
 
 
 def run(settings: Settings) -> Result:

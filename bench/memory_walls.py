@@ -1,0 +1,326 @@
+"""Benchmark 12: the memory walls of a large vocabulary (issue 44): peak memory and step time of a
+training step with the full logits' loss and with the fused loss, at micro-batches 1, 2 and 4, and
+for each activation-checkpointing choice, with the planner's estimate beside every measured figure.
+
+A Llama (configs/llama_tiny.json widened to hidden 256, 4 query and 2 key/value heads, intermediate
+688, 2 layers) with Llama 3's vocabulary of 128,256 trains on synthetic tokens at LENGTH tokens per
+sequence, fp32, ZeRO-0, on one rank under the `deepspeed` launcher, as bench/sequence.py launches it
+(its `launch`: the rank's peak RSS read from /proc, the median step time after the first). The
+vocabulary makes the head most of the model (66M of its 67M parameters) and its logits most of a
+step: 1 GB of fp32 logits per sequence against tens of MB of hidden states.
+
+Memory, subtracted twice so that only what the loss holds is left:
+- activations: a run's peak above the same vocabulary's run at REFERENCE tokens, whose own
+  activations are negligible (the interpreter, torch, DeepSpeed and the model states, which a GPU's
+  allocator would not count, are in both);
+- the loss's share: a run's activations less the body's, the same model at micro-batch and length
+  with a vocabulary of SMALL_VOCAB (its logits 0.2% of 128,256's), measured the same way. The body's
+  activations do not depend on the vocabulary, so what is left is the logits, their gradients and
+  whatever the loss computes from them.
+The goal is the issue's: the fused loss's share at most a quarter of the full loss's.
+
+"fused" is Liger-Kernel's fused linear cross-entropy on CUDA; on a CPU it runs the engine's tiled
+loss (models/tiling.py), pieces of at most `models.common.LOSS_PIECE_BYTES` of logits, so here the
+two are one code path: the sweep runs "fused", and "tiled" once, at micro-batch 1, to show it.
+The checkpointing choices (`models.checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
+
+Speed: a step's time (metrics.jsonl's `step_time_s`), over the steps after the first. Goal: fused /
+full <= 1.1.
+
+Plan: `python -m engine plan`'s activations (engine/plan, models/common.py `decoder_activations`)
+over the same differences. It counts the attention scores of SDPA's math kernel; torch's CPU kernel
+for fp32 is a flash kernel that keeps none (its backward saves queries, keys, values, output and
+log-sum-exp), so for the body the plan is an upper bound here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.machine import machine_facts
+from bench.results import Goal, Panel, Result, Row, compare
+from bench.sequence import CONFIG, MIB, Trial, launch
+from bench.settings import Settings
+from bench.trials import ROOT, RUNS, run_overrides
+from engine.checkpoints.store import checkpoint_root
+from models.checkpointing import NONE, SUGGESTED, Checkpointing
+
+MODEL = [
+    "data.type=synthetic",
+    "model.hidden_size=256",
+    "model.intermediate_size=688",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.num_hidden_layers=2",
+]
+VOCAB = 128256  # Llama 3's
+SMALL_VOCAB = 256  # the body alone: its logits are negligible beside the model's activations
+LENGTH = 2048
+REFERENCE = 16  # the length whose peak is a vocabulary's floor: runtime and model states
+MICRO_BATCHES = (1, 2, 4)
+CHECKPOINTED_BATCH = 1  # the micro-batch of the checkpointing choices
+STEPS = 2  # the first allocates Adam's states, so the second is the first at the full peak; it is timed
+SHARE_GOAL = Goal("ratio", "<=", 0.25)  # the fused loss's share of peak memory against the full loss's
+STEP_GOAL = Goal("ratio", "<=", 1.1)  # fused / full seconds per step
+
+
+@dataclass(frozen=True)
+class Point:
+    """One launch: the loss, the micro-batch, and what a reference or a body run changes."""
+
+    loss: str
+    micro_batch: int
+    vocab: int = VOCAB
+    length: int = LENGTH
+    checkpointing: Checkpointing = field(default=NONE)
+
+    @property
+    def name(self) -> str:
+        checkpointing = self.checkpointing.label.replace(", ", "-").replace(" ", "-")
+        return f"{self.loss}-v{self.vocab}-t{self.length}-mb{self.micro_batch}-ckpt-{checkpointing}"
+
+    def sets(self, threads: int) -> list[str]:
+        """The overrides of this launch."""
+        return [
+            *MODEL,
+            f"model.vocab_size={self.vocab}",
+            f"model.max_position_embeddings={LENGTH}",
+            f"model.loss={self.loss}",
+            f"model.activation_checkpointing={_override(self.checkpointing.value)}",
+            f"data.seq_len={self.length}",
+            f"train_micro_batch_size_per_gpu={self.micro_batch}",
+            *run_overrides(STEPS, 1, eval_batches=1, threads=threads),
+        ]
+
+
+def _override(value: bool | str | dict[str, Any]) -> str:
+    """A config value as `--set` reads it: a string bare, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def reference(vocab: int) -> Point:
+    return Point("full", 1, vocab=vocab, length=REFERENCE)
+
+
+def body(micro_batch: int) -> Point:
+    return Point("full", micro_batch, vocab=SMALL_VOCAB)
+
+
+def checkpointed(choice: Checkpointing) -> Point:
+    return Point("fused", CHECKPOINTED_BATCH, checkpointing=choice)
+
+
+def points() -> list[Point]:
+    """Every launch, in the order run: full and fused back to back at each micro-batch, so that a
+    shared machine's load reaches both."""
+    losses = [Point(loss, batch) for batch in MICRO_BATCHES for loss in ("full", "fused")]
+    every = [
+        reference(VOCAB),
+        reference(SMALL_VOCAB),
+        *(body(batch) for batch in MICRO_BATCHES),
+        *losses,
+        Point("tiled", CHECKPOINTED_BATCH),
+        *(checkpointed(choice) for choice in SUGGESTED),
+    ]
+    return list(dict.fromkeys(every))  # the fused run without checkpointing is in both sweeps
+
+
+def run(settings: Settings) -> Result:
+    trials = {point: trial(point, settings.threads) for point in points()}
+    return memory_walls_result(trials, machine_facts(settings.threads))
+
+
+def trial(point: Point, threads: int) -> Trial:
+    run_dir = RUNS / "memory-walls" / point.name
+    measured = launch(point.sets(threads), 1, run_dir)
+    # The run's final save holds 0.8 GB of weights and Adam's states, of no use once measured.
+    shutil.rmtree(checkpoint_root(run_dir), ignore_errors=True)
+    print(
+        f"  {point.name}: {measured.seconds_per_step:.2f} s/step; peak RSS {measured.peak / MIB:,.0f} MiB; "
+        f"plan's activations {measured.planned_activations / MIB:,.0f} MiB",
+        flush=True,
+    )
+    return measured
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Measured and planned bytes of the points of one run."""
+
+    trials: dict[Point, Trial]
+
+    def activations(self, point: Point, planned: bool = False) -> int:
+        """The peak above the same vocabulary's at REFERENCE tokens."""
+        return self._bytes(point, planned) - self._bytes(reference(point.vocab), planned)
+
+    def share(self, point: Point, planned: bool = False) -> int:
+        """The loss's: the activations above the body's at the same micro-batch."""
+        return self.activations(point, planned) - self.activations(body(point.micro_batch), planned)
+
+    def _bytes(self, point: Point, planned: bool) -> int:
+        trial = self.trials[point]
+        return trial.planned_activations if planned else trial.peak
+
+
+def memory_walls_result(trials: dict[Point, Trial], machine: dict[str, Any]) -> Result:
+    """Rows, largest micro-batch first: the loss's share (the goal), peak RSS and step time, fused
+    against full; tiled against fused; each checkpointing choice against none; then measured against
+    planned activations and shares."""
+    figures = Figures(trials)
+    descending = sorted(MICRO_BATCHES, reverse=True)
+    full, fused = ({batch: Point(loss, batch) for batch in MICRO_BATCHES} for loss in ("full", "fused"))
+    none = checkpointed(NONE)
+    rows: list[Row] = []
+    for batch in descending:
+        rows += [
+            compare(
+                f"the loss's share of peak memory at micro-batch {batch}, MiB: fused vs full",
+                figures.share(full[batch]) / MIB,
+                figures.share(fused[batch]) / MIB,
+                SHARE_GOAL,
+            ),
+            compare(
+                f"peak RSS at micro-batch {batch}, MiB: fused vs full",
+                trials[full[batch]].peak / MIB,
+                trials[fused[batch]].peak / MIB,
+            ),
+            compare(
+                f"seconds per step at micro-batch {batch}: fused vs full",
+                trials[full[batch]].seconds_per_step,
+                trials[fused[batch]].seconds_per_step,
+                STEP_GOAL,
+            ),
+        ]
+    tiled = Point("tiled", CHECKPOINTED_BATCH)
+    rows += [
+        compare(
+            f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused (one code path on a CPU): peak RSS, MiB",
+            trials[fused[CHECKPOINTED_BATCH]].peak / MIB,
+            trials[tiled].peak / MIB,
+        ),
+        compare(
+            f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused: seconds per step",
+            trials[fused[CHECKPOINTED_BATCH]].seconds_per_step,
+            trials[tiled].seconds_per_step,
+        ),
+    ]
+    for choice in SUGGESTED[1:]:
+        point = checkpointed(choice)
+        rows += [
+            compare(
+                f"checkpointing {choice.label} vs off: activation memory, MiB",
+                figures.activations(none) / MIB,
+                figures.activations(point) / MIB,
+            ),
+            compare(
+                f"checkpointing {choice.label} vs off: seconds per step",
+                trials[none].seconds_per_step,
+                trials[point].seconds_per_step,
+            ),
+        ]
+    planned = [
+        *(body(batch) for batch in descending),
+        *(point[batch] for point in (full, fused) for batch in descending),
+        tiled,
+        *(checkpointed(choice) for choice in SUGGESTED[1:]),
+    ]
+    rows += [
+        compare(
+            f"{_described(point)}: activation memory, MiB: measured vs plan",
+            figures.activations(point, planned=True) / MIB,
+            figures.activations(point) / MIB,
+        )
+        for point in planned
+    ]
+    rows += [
+        compare(
+            f"{point.loss} loss at micro-batch {point.micro_batch}: the loss's share, MiB: measured vs plan",
+            figures.share(point, planned=True) / MIB,
+            figures.share(point) / MIB,
+        )
+        for point in (sweep[batch] for sweep in (full, fused) for batch in descending)
+    ]
+    rows += [
+        compare(
+            f"checkpointing {choice.label}: activation memory saved against off, MiB: measured vs plan",
+            (figures.activations(none, planned=True) - figures.activations(checkpointed(choice), planned=True)) / MIB,
+            (figures.activations(none) - figures.activations(checkpointed(choice))) / MIB,
+        )
+        for choice in SUGGESTED[1:]
+    ]
+    return Result(
+        name="memory-walls",
+        title="Llama 3's vocabulary on a CPU: the loss's memory, full and fused, and activation checkpointing",
+        baseline="baseline",
+        method=_METHOD,
+        rows=rows,
+        panels=[
+            Panel(
+                title="memory-walls: peak memory against micro-batch",
+                xlabel="micro-batch (sequences of 2048 tokens)",
+                ylabel="MiB",
+                series={
+                    **{
+                        f"{loss} loss: peak RSS": (
+                            list(MICRO_BATCHES),
+                            [trials[p[b]].peak / MIB for b in MICRO_BATCHES],
+                        )
+                        for loss, p in (("full", full), ("fused", fused))
+                    },
+                    **{
+                        f"{loss} loss: its share": (
+                            list(MICRO_BATCHES),
+                            [figures.share(p[b]) / MIB for b in MICRO_BATCHES],
+                        )
+                        for loss, p in (("full", full), ("fused", fused))
+                    },
+                },
+            ),
+            Panel(
+                title=f"memory-walls: checkpointing, fused loss, micro-batch {CHECKPOINTED_BATCH}",
+                xlabel="seconds per step",
+                ylabel="activations less the loss's share, MiB",
+                # Less the loss's share without checkpointing (which no choice changes): the loss's
+                # 2.5 GB would flatten the tens of MB that checkpointing moves on an axis from zero.
+                series={
+                    choice.label: (
+                        [trials[checkpointed(choice)].seconds_per_step],
+                        [(figures.activations(checkpointed(choice)) - figures.share(none)) / MIB],
+                    )
+                    for choice in SUGGESTED
+                },
+            ),
+        ],
+        machine=machine,
+    )
+
+
+def _described(point: Point) -> str:
+    if point.vocab != VOCAB:
+        return f"the body (vocabulary {point.vocab}) at micro-batch {point.micro_batch}"
+    checkpointing = f", checkpointing {point.checkpointing.label}" if point.checkpointing else ""
+    return f"{point.loss} loss at micro-batch {point.micro_batch}{checkpointing}"
+
+
+_METHOD = (
+    f"{CONFIG.relative_to(ROOT)} widened to hidden 256 (4 query, 2 key/value heads, intermediate 688, 2 layers) "
+    f"with Llama 3's vocabulary of {VOCAB:,} (untied head), fp32, ZeRO-0, AdamW, synthetic tokens, {LENGTH} per "
+    f"sequence, one rank under the `deepspeed` launcher, {STEPS} steps (the first allocates Adam's states; the "
+    "second, at the full peak, is the one timed), every core. Peak RSS: the rank's VmHWM over the run, read from "
+    "/proc every 100 ms (bench/data.py). Activation memory: the peak above the same vocabulary's run at "
+    f"{REFERENCE} tokens (the interpreter, torch, DeepSpeed and the model states, which a GPU's allocator would "
+    "not count). The loss's share: the activation memory less the body's, the same model and micro-batch at a "
+    f"vocabulary of {SMALL_VOCAB}, whose logits are negligible (its own activations above its own {REFERENCE}-token "
+    'run): what the logits, their gradients and the loss hold. On a CPU `model.loss` "fused" runs the engine\'s '
+    "tiled loss (pieces of at most 1 GiB of fp32 logits, each recomputed in the backward pass under checkpoint); "
+    '"tiled" runs once to show the two are one path. The checkpointing choices run with the fused loss at '
+    f"micro-batch {CHECKPOINTED_BATCH}; on a CPU an offloaded input is a copy in the same host memory; their plot "
+    "shows each choice's activations less the loss's share without checkpointing. One step is timed per launch, so "
+    "a shared machine's load shows in the times. Plan: "
+    "`python -m engine plan`'s activations over the same differences; it counts the attention scores of SDPA's "
+    "math kernel, which torch's fp32 CPU flash kernel does not keep, and two fp32 logits-sized tensors for the "
+    "loss."
+)
