@@ -306,15 +306,11 @@ def launch_sets(corpus: Path, cache: Path, threads: int) -> list[str]:
     ]
 
 
-def launch(ranks: int, sets: list[str], run_dir: Path) -> Launch:
-    """./launch.sh on `ranks` CPU processes (or GPUs), watched until it exits."""
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh directory: no earlier metrics or checkpoints
-    run_dir.mkdir(parents=True)
-    command = ["./launch.sh", "--nproc", str(ranks), str(CONFIG)]
-    command += [arg for value in [*sets, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
+def watched_launch(command: list[str], run_dir: Path, ranks: int) -> dict[int, int]:
+    """Run `command`, a launch of `ranks` ranks, its output in `run_dir`/trial.log, and return each
+    rank's peak resident memory; raise with the log's tail where it fails or a rank went unread."""
     log = run_dir / "trial.log"
     with log.open("w") as out:
-        started = time.time()  # wall-clock, as the metrics records' time stamps
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         peaks = watch_ranks(process)
     if process.returncode != 0:
@@ -322,6 +318,17 @@ def launch(ranks: int, sets: list[str], run_dir: Path) -> Launch:
         raise RuntimeError(f"{' '.join(command[:4])} ... exited {process.returncode}; log {log}:\n{tail}")
     if sorted(peaks) != list(range(ranks)):
         raise RuntimeError(f"{run_dir}: read the peak RSS of ranks {sorted(peaks)} of {ranks} (is /proc there?)")
+    return peaks
+
+
+def launch(ranks: int, sets: list[str], run_dir: Path) -> Launch:
+    """./launch.sh on `ranks` CPU processes (or GPUs), watched until it exits."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh directory: no earlier metrics or checkpoints
+    run_dir.mkdir(parents=True)
+    command = ["./launch.sh", "--nproc", str(ranks), str(CONFIG)]
+    command += [arg for value in [*sets, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
+    started = time.time()  # wall-clock, as the metrics records' time stamps
+    peaks = watched_launch(command, run_dir, ranks)
     records = read_records(run_dir)
     return Launch(records[0]["time"] - started, peaks, records[-1]["step"])
 

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.data import watch_ranks
+from bench.data import watched_launch
 from bench.machine import machine_facts
 from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
@@ -108,15 +107,7 @@ def launch(sets: list[str], ranks: int, run_dir: Path) -> Trial:
     command = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port())]
     command += ["engine/main.py", "--deepspeed_config", str(CONFIG)]
     command += [arg for value in [*sets, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
-    log = run_dir / "trial.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        peaks = watch_ranks(process)
-    if process.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
-        raise RuntimeError(f"deepspeed ... exited {process.returncode}; log {log}:\n{tail}")
-    if sorted(peaks) != list(range(ranks)):
-        raise RuntimeError(f"{run_dir}: read the peak RSS of ranks {sorted(peaks)} of {ranks} (is /proc there?)")
+    peaks = watched_launch(command, run_dir, ranks)
     steps = [record["step_time_s"] for record in read_records(run_dir) if record["step"] > 1]
     return Trial(peaks, statistics.median(steps), planned_activations(sets, ranks))
 
