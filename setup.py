@@ -12,7 +12,9 @@ setup(
     version="0.1.0",
     description="One JSON config trains GPT and ResNet models under DeepSpeed or accelerate.",
     python_requires=">=3.11",  # transformers>=5.23 requires 3.11
-    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "data", "data.*"]),
+    packages=find_packages(
+        include=["engine", "engine.*", "models", "models.*", "data", "data.*", "parallelism", "parallelism.*"]
+    ),
     package_data={"engine.config": ["*.json"], "data": ["corpus/*.txt"]},
     install_requires=[
         "torch>=2.1",

@@ -18,7 +18,7 @@ from data import DataBundle, make_eval_loader, make_train_loader
 from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig
 from models import ModelFamily, get_family
-from models.common import seed_everything
+from models.seeding import seed_everything
 
 Batch = dict[str, torch.Tensor]
 StepFn = Callable[[Iterator[Batch]], torch.Tensor]

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from bench.machine import machine_facts
-from bench.results import Goal, Panel, Result, compare
+from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, median, read_records, run_logged
 from engine.observability import metrics
@@ -172,28 +172,48 @@ def _records(run_dir: Path) -> list[dict]:
     return metrics.read_records(path) if path.is_file() else []
 
 
+def lost_per_save(case: Case, index: int, count: int) -> tuple[float, dict[str, float]]:
+    """`count` rounds of each mode on `case`, printed: the seconds of a step and the seconds lost per
+    save, synchronous and in the background, each the median over rounds."""
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for number in range(count):
+        for mode in MODES:
+            run_dir = RUNS / "checkpointing" / f"case-{index}-{mode}-{number}"
+            seconds[mode].append(training_seconds(case, mode, run_dir))
+    step_s = median(seconds["none"]) / (STEPS - LOG_INTERVAL)
+    lost = {
+        mode: median([run - base for run, base in zip(seconds[mode], seconds["none"], strict=True)]) / saves_timed()
+        for mode in ("sync", "async")
+    }
+    print(
+        f"  {case.name}: step {step_s * 1e3:.1f} ms; lost per save: synchronous {lost['sync'] * 1e3:.1f} ms, "
+        f"asynchronous {lost['async'] * 1e3:.1f} ms",
+        flush=True,
+    )
+    return step_s, lost
+
+
+def exit_row(case: Case, index: int, mode: str) -> Row:
+    """SIGTERM to `case` saving in `mode`, printed: its exit against a step plus the signal's save."""
+    exit_s, step, save = signal_to_exit(case, mode, RUNS / "checkpointing" / f"case-{index}-{mode}-signal")
+    print(
+        f"  {case.name}, {mode}: SIGTERM to exit {exit_s:.2f} s; a step {step:.2f} s, its save {save:.2f} s", flush=True
+    )
+    return compare(
+        f"{case.name}, {mode} saves: seconds from SIGTERM to the job's exit, against a step plus its save",
+        step + save,
+        exit_s,
+        Goal("ratio", "<=", 1.0),
+    )
+
+
 def run(settings: Settings) -> Result:
     rows, exit_rows, failures = [], [], {}
     series: dict[str, tuple[list[float], list[float]]] = {"synchronous": ([], []), "asynchronous": ([], [])}
     count = min(settings.rounds, MAX_ROUNDS)
     for index, case in enumerate(CASES):
         try:
-            seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
-            for number in range(count):
-                for mode in MODES:
-                    run_dir = RUNS / "checkpointing" / f"case-{index}-{mode}-{number}"
-                    seconds[mode].append(training_seconds(case, mode, run_dir))
-            step_s = median(seconds["none"]) / (STEPS - LOG_INTERVAL)
-            lost = {
-                mode: median([run - base for run, base in zip(seconds[mode], seconds["none"], strict=True)])
-                / saves_timed()
-                for mode in ("sync", "async")
-            }
-            print(
-                f"  {case.name}: step {step_s * 1e3:.1f} ms; lost per save: synchronous {lost['sync'] * 1e3:.1f} ms, "
-                f"asynchronous {lost['async'] * 1e3:.1f} ms",
-                flush=True,
-            )
+            step_s, lost = lost_per_save(case, index, count)
             for label, mode in (("synchronous", "sync"), ("asynchronous", "async")):
                 series[label][0].append(index)
                 series[label][1].append(lost[mode] / step_s)
@@ -207,43 +227,14 @@ def run(settings: Settings) -> Result:
                 )
             )
             for mode in ("sync", "async") if case.signalled else ():
-                exit_s, step, save = signal_to_exit(case, mode, RUNS / "checkpointing" / f"case-{index}-{mode}-signal")
-                print(
-                    f"  {case.name}, {mode}: SIGTERM to exit {exit_s:.2f} s; a step {step:.2f} s, its save "
-                    f"{save:.2f} s",
-                    flush=True,
-                )
-                exit_rows.append(
-                    compare(
-                        f"{case.name}, {mode} saves: seconds from SIGTERM to the job's exit, against a step plus "
-                        "its save",
-                        step + save,
-                        exit_s,
-                        Goal("ratio", "<=", 1.0),
-                    )
-                )
+                exit_rows.append(exit_row(case, index, mode))
         except RuntimeError as error:
             failures[case.name] = str(error)
-    cases = "; ".join(f"{case.name}: {case.config.relative_to(ROOT)} {' '.join(case.overrides)}" for case in CASES)
     return Result(
         name="checkpointing",
         title="Checkpoints: training lost per save, synchronous and in the background; SIGTERM to exit",
         baseline="synchronous save (steps lost per save); a step plus the signal's save (SIGTERM rows)",
-        method=(
-            f"The deepspeed launcher, ZeRO-2, {', '.join(COMMON)}. Per case and round ({count} rounds): {STEPS} "
-            f"steps without saves, with a save every {SAVE_EVERY} steps, and with trainer.async_save; the loss per "
-            "save is the timed windows' total (every window after the first) less the run's without saves, over "
-            f"the {saves_timed()} saves in them, the median over rounds, in steps (the baseline and engine columns "
-            "of the first rows; their ratio is asynchronous over synchronous, a negative loss counted as 0). Cases: "
-            + cases
-            + ". The SIGTERM rows: a run without scheduled saves, SIGTERM to every process of the job (its own "
-            "session) after 3 logged windows; seconds to the last rank's exit (an exited rank its launcher has "
-            "not reaped counts as gone; the deepspeed launcher itself exits about 2.4 s later, polling once a "
-            "second and unloading torch) against the median window's step plus the save the signal caused "
-            "(rank 0's log), the goal a ratio of at most 1. On 2 cores, 2 ranks "
-            "leave the background writer no idle core: it fills the ranks' waits, and its copying competes with "
-            "theirs for memory bandwidth."
-        ),
+        method=method(count),
         rows=rows + exit_rows,
         panels=[
             Panel(
@@ -255,4 +246,24 @@ def run(settings: Settings) -> Result:
         ],
         machine=machine_facts(1),
         failures=failures,
+    )
+
+
+def method(count: int) -> str:
+    """How the figures were made, for `count` rounds."""
+    cases = "; ".join(f"{case.name}: {case.config.relative_to(ROOT)} {' '.join(case.overrides)}" for case in CASES)
+    return (
+        f"The deepspeed launcher, ZeRO-2, {', '.join(COMMON)}. Per case and round ({count} rounds): {STEPS} "
+        f"steps without saves, with a save every {SAVE_EVERY} steps, and with trainer.async_save; the loss per "
+        "save is the timed windows' total (every window after the first) less the run's without saves, over "
+        f"the {saves_timed()} saves in them, the median over rounds, in steps (the baseline and engine columns "
+        "of the first rows; their ratio is asynchronous over synchronous, a negative loss counted as 0). Cases: "
+        + cases
+        + ". The SIGTERM rows: a run without scheduled saves, SIGTERM to every process of the job (its own "
+        "session) after 3 logged windows; seconds to the last rank's exit (an exited rank its launcher has "
+        "not reaped counts as gone; the deepspeed launcher itself exits about 2.4 s later, polling once a "
+        "second and unloading torch) against the median window's step plus the save the signal caused "
+        "(rank 0's log), the goal a ratio of at most 1. On 2 cores, 2 ranks "
+        "leave the background writer no idle core: it fills the ranks' waits, and its copying competes with "
+        "theirs for memory bandwidth."
     )

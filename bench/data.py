@@ -21,11 +21,15 @@ size, in a temporary folder removed at the end: a 1 GB text file is never commit
   launch.sh to the time stamp of its first metrics record (written as step 1 ends); the figure is
   the median over `--rounds` rounds, each with a fresh cache.
 - Memory: the peak RSS (VmHWM) of every rank process, read from /proc every POLL_S seconds while
-  the launch runs; the high-water mark only grows, so only growth in a rank's last POLL_S is missed.
-  (The metrics records' `ranks[].rss_bytes`, engine/observability/memory.py, is the RSS at a logged step, not the
-  peak.) It counts the pages of the memory-mapped token file that a rank has touched, so a rank that
-  read the whole corpus would show it.
+  the launch runs (bench/rank_memory.py); the high-water mark only grows, so only growth in a rank's
+  last POLL_S is missed. (The metrics records' `ranks[].rss_bytes`, engine/observability/memory.py,
+  is the RSS at a logged step, not the peak.) It counts the pages of the memory-mapped token file
+  that a rank has touched, so a rank that read the whole corpus would show it.
   A rank's figure is its largest over the first and cached launches of every round.
+
+The parts live beside this module: bench/data_preparation.py, bench/data_launches.py and
+bench/rank_memory.py; this one makes the corpora and the BPE tokenizer, runs the parts and writes
+the rows.
 
 Sizes: `BENCH_DATA_MB=1,3 python -m bench data` measures other sizes (the first is the baseline of
 the launch and memory rows): bench/settings.py's flags are shared by every benchmark, and sizes are
@@ -35,26 +39,18 @@ this one's alone.
 from __future__ import annotations
 
 import os
-import shutil
-import statistics
-import subprocess
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import psutil
-
+from bench.data_labels import ranks_label, size_label
+from bench.data_launches import Launch, time_launches
+from bench.data_preparation import Preparation, time_preparation
 from bench.machine import machine_facts
+from bench.rank_memory import MIB, POLL_S
 from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS, read_records, run_overrides
-from data.tokens.corpus import open_corpus
-from data.tokens.encode import _batches  # the engine's own batches of pieces: the baseline must encode the same
-from data.tokens.prepare import prepare_text
+from bench.trials import ROOT, RUNS, run_overrides
 
 SOURCE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 CONFIG = ROOT / "configs" / "tiny_gpt.json"
@@ -66,9 +62,6 @@ BPE_VOCAB = 2000
 RANKS = (1, 2)
 STEPS = 3
 PREPARE_REPEATS = 3
-POLL_S = 0.1
-CACHE_TIMEOUT_S = 3600.0
-MIB = 1 << 20
 
 # Goals of issue 28.
 RSS_GOAL = Goal("ratio", "<=", 1.10)  # a rank's peak RSS on a corpus, against the smallest corpus
@@ -77,26 +70,8 @@ PREPARE_GOAL = Goal("engine", ">=", 100.0)  # byte and char preparation, MB/s
 BPE_GOAL = Goal("ratio", "<=", 1.2)  # BPE preparation time against the tokenizer's batched call
 TRAINS_GOAL = Goal("ratio", ">=", 1.0)  # steps trained on the largest corpus and the most ranks, of STEPS
 
-
-@dataclass(frozen=True)
-class Preparation:
-    """One tokenizer on one corpus: the engine's and the baseline's best seconds, and the tokens
-    (checked equal on both sides)."""
-
-    tokenizer: str
-    size_mb: float
-    engine_s: float
-    baseline_s: float
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launch: seconds from launch.sh's start to step 1, each rank's peak RSS, the last step."""
-
-    seconds_to_step_1: float
-    peak_rss: dict[int, int]  # rank -> bytes
-    steps: int
+Launches = dict[tuple[float, int, str], Launch]
+"""Each launch summed over its rounds, under (corpus size, ranks, "first" or "cached")."""
 
 
 def sizes_mb() -> tuple[float, ...]:
@@ -129,13 +104,21 @@ def measure(
         corpora = {size: make_corpus(size, scratch / f"corpus-{size:g}MB.txt") for size in sizes}
         tokenizers = {"byte": "byte", "char": "char", "BPE": str(train_bpe(scratch / "bpe"))}
         preparations = [
-            time_preparation(name, spec, corpus, size, scratch / "prepare-cache")
+            time_preparation(name, spec, corpus, size, scratch / "prepare-cache", PREPARE_REPEATS)
             for size, corpus in corpora.items()
             for name, spec in tokenizers.items()
             if name != "BPE" or size <= BPE_MAX_MB
         ]
+        cache = scratch / "cache"
         launches, failures = time_launches(
-            corpora, ranks, settings.threads, settings.rounds, scratch / "cache", warm_up=warm_up
+            CONFIG,
+            corpora,
+            ranks,
+            settings.rounds,
+            overrides=lambda corpus, count: launch_sets(corpus, cache, max(1, settings.threads // count)),
+            cache=cache,
+            run_root=RUN_DIR,
+            warm_up=warm_up,
         )
     return data_result(preparations, launches, failures, sizes, ranks, settings.rounds, machine_facts(settings.threads))
 
@@ -170,132 +153,6 @@ def train_bpe(directory: Path) -> Path:
     return directory
 
 
-# Preparation
-
-
-def time_preparation(name: str, spec: str, corpus: Path, size_mb: float, cache: Path) -> Preparation:
-    """The best of PREPARE_REPEATS preparations of `corpus` into an empty `cache`, each after one
-    run of the baseline."""
-    baseline = (lambda: bare_read(corpus)) if spec in ("byte", "char") else tokenizer_alone(spec, corpus)
-    engine_s = baseline_s = float("inf")
-    for _ in range(PREPARE_REPEATS):
-        seconds, baseline_tokens = _timed(baseline)
-        baseline_s = min(baseline_s, seconds)
-        shutil.rmtree(cache, ignore_errors=True)
-        seconds, engine_tokens = _timed(lambda: prepare(corpus, spec, cache))
-        engine_s = min(engine_s, seconds)
-    shutil.rmtree(cache)
-    if engine_tokens != baseline_tokens:
-        raise RuntimeError(
-            f"prepare {name}, {_label(size_mb)}: the engine wrote {engine_tokens:,} tokens where its baseline "
-            f"counted {baseline_tokens:,}; they are not doing the same work"
-        )
-    speeds = f"{size_mb / engine_s:,.1f} MB/s, baseline {size_mb / baseline_s:,.1f} MB/s"
-    print(f"  prepare {name}, {_label(size_mb)}: {speeds}", flush=True)
-    return Preparation(name, size_mb, engine_s, baseline_s, engine_tokens)
-
-
-def prepare(corpus: Path, spec: str, cache: Path) -> int:
-    """What `python -m engine prepare-data` does for a .txt corpus; returns the tokens written."""
-    prepared, _ = prepare_text(
-        [corpus], tokenizer=spec, text_field="text", cache_dir=cache, timeout_s=CACHE_TIMEOUT_S, announce=_quiet
-    )
-    return prepared.meta["splits"]["train"]["tokens"]
-
-
-def bare_read(corpus: Path) -> int:
-    return len(np.frombuffer(corpus.read_bytes(), dtype=np.uint8))
-
-
-def tokenizer_alone(tokenizer_dir: str, corpus: Path) -> Callable[[], int]:
-    """The tokenizer's own batched call on the engine's batches of pieces, read and cut here ahead of
-    time so that only the encoding is timed; it counts the tokens without copying them out of Rust."""
-    from transformers import AutoTokenizer
-
-    backend = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).backend_tokenizer
-    documents = open_corpus([corpus], "text", corpus.parent / "scratch").splits["train"]()
-    batches = [batch.pieces for batch in _batches(documents, cut=True)]
-
-    def encode() -> int:
-        return sum(
-            len(encoding)
-            for pieces in batches
-            for encoding in backend.encode_batch_fast(pieces, add_special_tokens=False)
-        )
-
-    return encode
-
-
-def _timed(work: Callable[[], int]) -> tuple[float, int]:
-    started = time.perf_counter()
-    value = work()
-    return time.perf_counter() - started, value
-
-
-def _quiet(message: str) -> None:
-    """prepare_text's announcements: the benchmark prints its own line per measurement."""
-
-
-# Launches
-
-
-def time_launches(
-    corpora: dict[float, Path], ranks: tuple[int, ...], threads: int, rounds: int, cache: Path, *, warm_up: bool
-) -> tuple[dict[tuple[float, int, str], Launch], dict[str, str]]:
-    """A first and a cached launch per corpus and rank count in each of `rounds` rounds, summed up
-    (`_summary`) under (size, ranks, "first" or "cached"), and the error of each launch that failed.
-    Rounds go over every corpus in turn, so a shared machine's changing load reaches all sizes alike.
-    With `warm_up`, an unmeasured launch goes first, so that DeepSpeed's one-time build of its CPU
-    communication op (a minute or two, on a machine that never launched it) is not charged to the first
-    figure."""
-    failures: dict[str, str] = {}
-    if warm_up:
-        smallest = min(corpora)
-        shutil.rmtree(cache, ignore_errors=True)
-        sets = launch_sets(corpora[smallest], cache, max(1, threads // max(ranks)))
-        _attempt(max(ranks), sets, f"{_label(smallest)}, warm-up", failures)
-    runs: dict[tuple[float, int, str], list[Launch | None]] = {}
-    for number in range(1, rounds + 1):
-        for size, corpus in corpora.items():
-            for count in ranks:
-                shutil.rmtree(cache, ignore_errors=True)  # an empty cache for the first launch
-                sets = launch_sets(corpus, cache, max(1, threads // count))
-                for kind in ("first", "cached"):
-                    label = f"{_label(size)}, {kind} launch, round {number}"
-                    runs.setdefault((size, count, kind), []).append(_attempt(count, sets, label, failures))
-    shutil.rmtree(cache, ignore_errors=True)
-    summaries = {key: _summary(launches) for key, launches in runs.items()}
-    return {key: summary for key, summary in summaries.items() if summary is not None}, failures
-
-
-def _attempt(ranks: int, sets: list[str], label: str, failures: dict[str, str]) -> Launch | None:
-    """One launch, printed; None, with its error in `failures`, if it failed."""
-    label = f"{_ranks(ranks)}, {label}"
-    try:
-        measured = launch(ranks, sets, RUN_DIR / label.replace(", ", "-").replace(" ", "-"))
-    except RuntimeError as error:
-        print(f"  {label}: FAILED", flush=True)
-        failures[label] = str(error)
-        return None
-    peaks = ", ".join(f"rank {rank} {peak / MIB:,.0f} MiB" for rank, peak in sorted(measured.peak_rss.items()))
-    print(f"  {label}: step 1 after {measured.seconds_to_step_1:.1f} s; peak RSS {peaks}", flush=True)
-    return measured
-
-
-def _summary(launches: list[Launch | None]) -> Launch | None:
-    """The rounds of one launch as one: the median time to step 1, each rank's largest peak RSS, and
-    the fewest steps trained (0 if any round failed); None if every round failed."""
-    done = [launch for launch in launches if launch is not None]
-    if not done:
-        return None
-    ranks = {rank for launch in done for rank in launch.peak_rss}
-    return Launch(
-        seconds_to_step_1=statistics.median(launch.seconds_to_step_1 for launch in done),
-        peak_rss={rank: max(launch.peak_rss.get(rank, 0) for launch in done) for rank in ranks},
-        steps=min(0 if launch is None else launch.steps for launch in launches),
-    )
-
-
 def launch_sets(corpus: Path, cache: Path, threads: int) -> list[str]:
     """The overrides of every launch: the corpus on the byte tokenizer, its own cache, a short run."""
     return [
@@ -306,85 +163,12 @@ def launch_sets(corpus: Path, cache: Path, threads: int) -> list[str]:
     ]
 
 
-def watched_launch(command: list[str], run_dir: Path, ranks: int) -> dict[int, int]:
-    """Run `command`, a launch of `ranks` ranks, its output in `run_dir`/trial.log, and return each
-    rank's peak resident memory; raise with the log's tail where it fails or a rank went unread."""
-    log = run_dir / "trial.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        peaks = watch_ranks(process)
-    if process.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
-        raise RuntimeError(f"{' '.join(command[:4])} ... exited {process.returncode}; log {log}:\n{tail}")
-    if sorted(peaks) != list(range(ranks)):
-        raise RuntimeError(f"{run_dir}: read the peak RSS of ranks {sorted(peaks)} of {ranks} (is /proc there?)")
-    return peaks
-
-
-def launch(ranks: int, sets: list[str], run_dir: Path) -> Launch:
-    """./launch.sh on `ranks` CPU processes (or GPUs), watched until it exits."""
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh directory: no earlier metrics or checkpoints
-    run_dir.mkdir(parents=True)
-    command = ["./launch.sh", "--nproc", str(ranks), str(CONFIG)]
-    command += [arg for value in [*sets, f"trainer.output_dir={run_dir}"] for arg in ("--set", value)]
-    started = time.time()  # wall-clock, as the metrics records' time stamps
-    peaks = watched_launch(command, run_dir, ranks)
-    records = read_records(run_dir)
-    return Launch(records[0]["time"] - started, peaks, records[-1]["step"])
-
-
-def watch_ranks(process: subprocess.Popen) -> dict[int, int]:
-    """Each rank's peak RSS while `process` runs, in bytes: the largest VmHWM among the processes
-    that run engine/main.py with that RANK (the rank and its small supervisor,
-    engine/failures/supervise.py), read every POLL_S seconds."""
-    launcher, known, peaks = psutil.Process(process.pid), {}, {}
-    while process.poll() is None:
-        try:
-            children = launcher.children(recursive=True)
-        except psutil.NoSuchProcess:
-            break
-        for child in children:
-            if child.pid not in known:
-                # Not cached when None: a rank is seen between fork and exec with its parent's identity.
-                rank = _rank_of(child)
-                if rank is None:
-                    continue
-                known[child.pid] = rank
-            high_water = _high_water(child.pid)
-            if high_water is not None:
-                peaks[known[child.pid]] = max(peaks.get(known[child.pid], 0), high_water)
-        time.sleep(POLL_S)
-    return peaks
-
-
-def _rank_of(process: psutil.Process) -> int | None:
-    try:
-        if not any(arg.endswith("engine/main.py") for arg in process.cmdline()):
-            return None
-        rank = process.environ().get("RANK")
-    except psutil.Error:
-        return None
-    return None if rank is None else int(rank)
-
-
-def _high_water(pid: int) -> int | None:
-    """The process's peak resident set (VmHWM), None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 # The result
 
 
 def data_result(
     preparations: list[Preparation],
-    launches: dict[tuple[float, int, str], Launch],
+    launches: Launches,
     failures: dict[str, str],
     sizes: tuple[float, ...],
     ranks: tuple[int, ...],
@@ -393,84 +177,63 @@ def data_result(
 ) -> Result:
     """Rows, largest corpus first: each rank's peak RSS and the launch times against the smallest
     corpus, whether the largest trains on the most ranks, then preparation against its baseline."""
-    smallest, larger = sizes[0], sorted(sizes[1:], reverse=True)
-    rows: list[Row] = []
-    for count in ranks:
-        for size in larger:
-            for rank in range(count):
-                base, peak = _peak(launches, smallest, count, rank), _peak(launches, size, count, rank)
-                if base is not None and peak is not None:
-                    quantity = f"{_ranks(count)}, {_label(size)} vs {_label(smallest)}: rank {rank} peak RSS, MiB"
-                    rows.append(compare(quantity, base / MIB, peak / MIB, RSS_GOAL))
-    for kind, goal in (("cached", CACHED_LAUNCH_GOAL), ("first", None)):
-        for count in ranks:
-            for size in larger:
-                base, here = launches.get((smallest, count, kind)), launches.get((size, count, kind))
-                if base is not None and here is not None:
-                    quantity = f"{_ranks(count)}, {_label(size)} vs {_label(smallest)}: {kind} launch to step 1, s"
-                    rows.append(compare(quantity, base.seconds_to_step_1, here.seconds_to_step_1, goal))
-    largest, most = sizes[-1], max(ranks)
-    trained = [launches.get((largest, most, kind)) for kind in ("first", "cached")]
-    steps = min(0 if run is None else run.steps for run in trained)
-    rows.append(compare(f"{_ranks(most)}, {_label(largest)}: steps trained of {STEPS}", STEPS, steps, TRAINS_GOAL))
+    rows = _memory_rows(launches, sizes, ranks) + _launch_rows(launches, sizes, ranks)
+    rows.append(_trained_row(launches, sizes[-1], max(ranks)))
     for preparation in sorted(preparations, key=lambda p: -p.size_mb):
         rows += _preparation_rows(preparation)
-    labels = ", ".join(map(_label, sizes))
     return Result(
         name="data",
         title="Tokenized corpora: preparation speed, launch time and memory per rank against corpus size",
         baseline="baseline",
-        method=(
-            f"Corpora of {labels} (tinyshakespeare repeated, made at run time). Preparation: `prepare_text` into an "
-            f"empty cache, best of {PREPARE_REPEATS}, alternating with its baseline in one process: for byte and "
-            "char, reading the file into a uint8 array (the floor of any preparation, and a byte tokenizer's "
-            f"whole work); for BPE (byte-level, {BPE_VOCAB} ids, trained on tinyshakespeare at run time; up to "
-            f"{_label(BPE_MAX_MB)} only, for time), the tokenizer's own `encode_batch_fast` on the engine's "
-            "batches of pieces, cut before the clock starts. Launches: `./launch.sh --nproc N "
-            f"{CONFIG.relative_to(ROOT)}` on the byte tokenizer, {STEPS} steps, timed from launch.sh's start to "
-            "the time stamp of the first metrics record (step 1), the median of "
-            f"{rounds} round{'s' if rounds > 1 else ''}; a first launch finds an empty cache, which its `validate` "
-            "fills before any rank starts, a cached launch finds it filled; an unmeasured warm-up launch goes "
-            f"first. Peak RSS: each rank process's VmHWM, read from /proc every {POLL_S * 1000:.0f} ms, its "
-            "largest over the first and cached launches of every round. Launch and memory rows compare each "
-            f"corpus with the {_label(smallest)} one on the same ranks. " + BEFORE
-        ),
+        method=_method(sizes, rounds),
         rows=rows,
-        panels=[
-            Panel(
-                title="data: peak RSS per rank",
-                xlabel="corpus MB",
-                ylabel="MiB",
-                series={
-                    f"{_ranks(count)}: rank {rank}": _points(
-                        sizes, [_peak(launches, size, count, rank) for size in sizes], MIB
-                    )
-                    for count in ranks
-                    for rank in range(count)
-                },
-            ),
-            Panel(
-                title="data: launch to step 1",
-                xlabel="corpus MB",
-                ylabel="seconds",
-                series={
-                    f"{_ranks(count)}, {kind}": _points(
-                        sizes, [_seconds(launches.get((size, count, kind))) for size in sizes], 1
-                    )
-                    for count in ranks
-                    for kind in ("first", "cached")
-                },
-            ),
-        ],
+        panels=_panels(launches, sizes, ranks),
         machine=machine,
         failures=failures,
     )
 
 
+def _memory_rows(launches: Launches, sizes: tuple[float, ...], ranks: tuple[int, ...]) -> list[Row]:
+    """Each rank's peak RSS on every larger corpus against the smallest, on the same ranks."""
+    smallest, rows = sizes[0], []
+    for count in ranks:
+        for size in sorted(sizes[1:], reverse=True):
+            for rank in range(count):
+                base, peak = _peak(launches, smallest, count, rank), _peak(launches, size, count, rank)
+                if base is not None and peak is not None:
+                    quantity = f"{_versus(count, size, smallest)}: rank {rank} peak RSS, MiB"
+                    rows.append(compare(quantity, base / MIB, peak / MIB, RSS_GOAL))
+    return rows
+
+
+def _launch_rows(launches: Launches, sizes: tuple[float, ...], ranks: tuple[int, ...]) -> list[Row]:
+    """Cached, then first, launches to step 1 on every larger corpus against the smallest."""
+    smallest, rows = sizes[0], []
+    for kind, goal in (("cached", CACHED_LAUNCH_GOAL), ("first", None)):
+        for count in ranks:
+            for size in sorted(sizes[1:], reverse=True):
+                base, here = launches.get((smallest, count, kind)), launches.get((size, count, kind))
+                if base is not None and here is not None:
+                    quantity = f"{_versus(count, size, smallest)}: {kind} launch to step 1, s"
+                    rows.append(compare(quantity, base.seconds_to_step_1, here.seconds_to_step_1, goal))
+    return rows
+
+
+def _versus(ranks: int, size: float, smallest: float) -> str:
+    return f"{ranks_label(ranks)}, {size_label(size)} vs {size_label(smallest)}"
+
+
+def _trained_row(launches: Launches, largest: float, most: int) -> Row:
+    """Whether the largest corpus trains all STEPS on the most ranks, first and cached launch alike."""
+    trained = [launches.get((largest, most, kind)) for kind in ("first", "cached")]
+    steps = min(0 if run is None else run.steps for run in trained)
+    return compare(f"{ranks_label(most)}, {size_label(largest)}: steps trained of {STEPS}", STEPS, steps, TRAINS_GOAL)
+
+
 def _preparation_rows(preparation: Preparation) -> list[Row]:
     name, size, tokens = preparation.tokenizer, preparation.size_mb, preparation.tokens
     engine_s, baseline_s = preparation.engine_s, preparation.baseline_s
-    head = f"{name}, {_label(size)}: prepare"
+    head = f"{name}, {size_label(size)}: prepare"
     if name == "BPE":
         versus = "encode_batch_fast alone"
         return [
@@ -484,7 +247,55 @@ def _preparation_rows(preparation: Preparation) -> list[Row]:
     ]
 
 
-def _peak(launches: dict[tuple[float, int, str], Launch], size: float, ranks: int, rank: int) -> int | None:
+def _method(sizes: tuple[float, ...], rounds: int) -> str:
+    labels = ", ".join(map(size_label, sizes))
+    return (
+        f"Corpora of {labels} (tinyshakespeare repeated, made at run time). Preparation: `prepare_text` into an "
+        f"empty cache, best of {PREPARE_REPEATS}, alternating with its baseline in one process: for byte and "
+        "char, reading the file into a uint8 array (the floor of any preparation, and a byte tokenizer's "
+        f"whole work); for BPE (byte-level, {BPE_VOCAB} ids, trained on tinyshakespeare at run time; up to "
+        f"{size_label(BPE_MAX_MB)} only, for time), the tokenizer's own `encode_batch_fast` on the engine's "
+        "batches of pieces, cut before the clock starts. Launches: `./launch.sh --nproc N "
+        f"{CONFIG.relative_to(ROOT)}` on the byte tokenizer, {STEPS} steps, timed from launch.sh's start to "
+        "the time stamp of the first metrics record (step 1), the median of "
+        f"{rounds} round{'s' if rounds > 1 else ''}; a first launch finds an empty cache, which its `validate` "
+        "fills before any rank starts, a cached launch finds it filled; an unmeasured warm-up launch goes "
+        f"first. Peak RSS: each rank process's VmHWM, read from /proc every {POLL_S * 1000:.0f} ms, its "
+        "largest over the first and cached launches of every round. Launch and memory rows compare each "
+        f"corpus with the {size_label(sizes[0])} one on the same ranks. " + BEFORE
+    )
+
+
+def _panels(launches: Launches, sizes: tuple[float, ...], ranks: tuple[int, ...]) -> list[Panel]:
+    return [
+        Panel(
+            title="data: peak RSS per rank",
+            xlabel="corpus MB",
+            ylabel="MiB",
+            series={
+                f"{ranks_label(count)}: rank {rank}": _points(
+                    sizes, [_peak(launches, size, count, rank) for size in sizes], MIB
+                )
+                for count in ranks
+                for rank in range(count)
+            },
+        ),
+        Panel(
+            title="data: launch to step 1",
+            xlabel="corpus MB",
+            ylabel="seconds",
+            series={
+                f"{ranks_label(count)}, {kind}": _points(
+                    sizes, [_seconds(launches.get((size, count, kind))) for size in sizes], 1
+                )
+                for count in ranks
+                for kind in ("first", "cached")
+            },
+        ),
+    ]
+
+
+def _peak(launches: Launches, size: float, ranks: int, rank: int) -> int | None:
     """A rank's peak RSS over the first and the cached launch; None if neither measured it."""
     peaks = [
         launches[size, ranks, kind].peak_rss[rank]
@@ -511,11 +322,3 @@ BEFORE = (
     "rank. Char preparation ran at 78 MB/s on 100 MB with numpy over UTF-32 code points, before the "
     "`bytes.translate` encoder."
 )
-
-
-def _label(size_mb: float) -> str:
-    return f"{size_mb / 1000:g} GB" if size_mb >= 1000 else f"{size_mb:g} MB"
-
-
-def _ranks(count: int) -> str:
-    return f"{count} rank" + ("s" if count > 1 else "")

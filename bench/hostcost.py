@@ -123,11 +123,21 @@ def reads_row(quantity: str, loop: float, reads: float, judged: bool = True) -> 
     return compare(quantity, loop, reads, Goal("engine", "<=", 0) if judged else None, ratio=reads / max(loop, 1.0))
 
 
-def run(settings: Settings) -> Result:
-    layout_rows, failures = [], {}
-    series: dict[str, tuple[list[float], list[float]]] = {"engine": ([], []), "loop": ([], [])}
-    milliseconds: dict[str, tuple[list[float], list[float]]] = {"engine": ([], [])}
-    engine_syncs, loop_syncs, breaks, ops_ratio = 0.0, 0.0, 0, None
+@dataclass(frozen=True)
+class Counted:
+    """One layout's counts on the rank that reads the device most: the engine's, the loop's beside it
+    (one-rank layouts), and the graph breaks of a compiled run (the most of any rank; 0 if not compiled)."""
+
+    index: int  # the layout's place in LAYOUTS: the plots' x and the row order
+    layout: Layout
+    engine: dict
+    loop: dict | None
+    graph_breaks: int
+
+
+def count_layouts() -> tuple[list[Counted], dict[str, str]]:
+    """Every layout counted and printed, in LAYOUTS order, and the error of each that failed."""
+    counted, failures = [], {}
     for index, layout in enumerate(LAYOUTS):
         try:
             ranks = count(layout, RUNS / "hostcost" / f"layout-{index}")
@@ -137,9 +147,6 @@ def run(settings: Settings) -> Result:
         # The rank that reads the device most, and its operations.
         worst = max(ranks, key=lambda rank: rank["engine"]["syncs_per_step"])
         engine = worst["engine"]
-        if layout.default:
-            engine_syncs = max(engine_syncs, engine["syncs_per_step"])
-        breaks += max(rank["graph_breaks"] for rank in ranks) if layout.compiled else 0
         kinds = ", ".join(f"{kind} {value:g}" for kind, value in sorted(engine["syncs_by_kind"].items())) or "none"
         print(
             f"  {layout.name}: syncs/step {engine['syncs_per_step']:g} ({kinds}), aten ops/step "
@@ -147,33 +154,43 @@ def run(settings: Settings) -> Result:
             + (f", graph breaks {worst['graph_breaks']}" if layout.compiled else ""),
             flush=True,
         )
-        series["engine"][0].append(index)
-        series["engine"][1].append(engine["syncs_per_step"])
-        milliseconds["engine"][0].append(index)
-        milliseconds["engine"][1].append(1e3 * engine["seconds_per_step"])
-        loop = worst.get("loop")
+        breaks = max(rank["graph_breaks"] for rank in ranks) if layout.compiled else 0
+        counted.append(Counted(index, layout, engine, worst.get("loop"), breaks))
+    return counted, failures
+
+
+def layout_rows(counted: list[Counted]) -> list[Row]:
+    """Each layout's reads against the loop's in the same layout, or else the most the loop read in
+    any layout counted so far; beside the loop, its ms and aten operations per step too."""
+    rows, loop_syncs = [], 0.0
+    for layout in counted:
+        engine, loop, name = layout.engine, layout.loop, layout.layout.name
         if loop is not None:
             loop_syncs = max(loop_syncs, loop["syncs_per_step"])
-            series["loop"][0].append(index)
-            series["loop"][1].append(loop["syncs_per_step"])
-        layout_rows.append(
+        reads = loop_syncs if loop is None else loop["syncs_per_step"]
+        rows.append(
             reads_row(
-                f"{layout.name}: host reads of the device per step",
-                loop_syncs if loop is None else loop["syncs_per_step"],
-                engine["syncs_per_step"],
-                layout.default,
+                f"{name}: host reads of the device per step", reads, engine["syncs_per_step"], layout.layout.default
             )
         )
         if loop is not None:
-            layout_rows.append(
-                compare(f"{layout.name}: ms per step", 1e3 * loop["seconds_per_step"], 1e3 * engine["seconds_per_step"])
+            rows.append(
+                compare(f"{name}: ms per step", 1e3 * loop["seconds_per_step"], 1e3 * engine["seconds_per_step"])
             )
-            ops = compare(
-                f"{layout.name}: aten ops per step", loop["operations_per_step"], engine["operations_per_step"]
+            rows.append(
+                compare(f"{name}: aten ops per step", loop["operations_per_step"], engine["operations_per_step"])
             )
-            layout_rows.append(ops)
-            if index == 0:
-                ops_ratio = ops.ratio
+    return rows
+
+
+def headline_rows(counted: list[Counted]) -> list[Row]:
+    """The goals' rows, printed in one line: the engine's most reads in a default layout against the
+    loop's most in any, graph breaks, and the first layout's aten operations against the loop's."""
+    engine_syncs = max([0.0, *(layout.engine["syncs_per_step"] for layout in counted if layout.layout.default)])
+    loop_syncs = max([0.0, *(layout.loop["syncs_per_step"] for layout in counted if layout.loop is not None)])
+    breaks = sum(layout.graph_breaks for layout in counted)
+    first = next((layout for layout in counted if layout.index == 0 and layout.loop is not None), None)
+    ops_ratio = None if first is None else first.engine["operations_per_step"] / first.loop["operations_per_step"]
     rows = [
         reads_row("host reads of the device per quiet step, most of any layout", loop_syncs, engine_syncs),
         compare("graph breaks in the compiled steps", 0.0, breaks, Goal("engine", "<=", 0), ratio=float(breaks)),
@@ -187,43 +204,67 @@ def run(settings: Settings) -> Result:
         f"graph breaks {breaks}",
         flush=True,
     )
+    return rows
+
+
+def run(settings: Settings) -> Result:
+    counted, failures = count_layouts()
     return Result(
         name="hostcost",
         title="Host cost of a step: device reads, aten operations and graph breaks",
         baseline="minimal PyTorch loop",
-        method=(
-            f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}: GPT-2 124M's 148 tensors at width 64. Per layout, "
-            f"one run of {STEPS} steps (2 ranks where the layout has more than one data-parallel rank or stage); the "
-            f"steps after the first {WARMUP_STEPS} that neither log, evaluate nor save are alternately counted "
-            "(bench/host_syncs.py: scalar reads, tolist/cpu/numpy, synchronize, aten operations) and timed. The "
-            "minimal loop (bench/baseline.py) runs the same config in the same process after the engine, in the "
-            "one-rank layouts. Graph breaks are dynamo's count over the whole compiled run (the counted steps of "
-            "a compiled run dispatch eagerly under the counter, so their operations are not the compiled "
-            "graph's). Rows of reads compare with the loop's reads in the same layout (elsewhere its most in any "
-            "layout), their ratio taken over at least one read; each layout's ms per step is in the printed "
-            "lines and the second plot, and beside the loop's in the one-rank layouts. Rows without a goal "
-            "are routes the engine takes only when told to: bf16 as written at ZeRO-0 (DeepSpeed's wrapper "
-            "reads every gradient) "
-            "and the nonfinite-skip policy, which reads the device every step (its cost: its ms against the "
-            "row before it). "
-            "DeepSpeed's FusedAdam on the CPU is one C++ call outside the dispatcher, as torch's fused AdamW "
-            "is one operation per parameter group in the loop."
-        ),
-        rows=rows + layout_rows,
-        panels=[
-            Panel(
-                title="hostcost: host reads of the device per quiet step, by layout",
-                xlabel="layout (row order)",
-                ylabel="reads per step",
-                series=series,
-            ),
-            Panel(
-                title="hostcost: ms per quiet step, by layout (a CPU: compute is host time)",
-                xlabel="layout (row order)",
-                ylabel="ms",
-                series=milliseconds,
-            ),
-        ],
+        method=METHOD,
+        rows=headline_rows(counted) + layout_rows(counted),
+        panels=panels(counted),
         machine=machine_facts(1),
         failures=failures,
     )
+
+
+def panels(counted: list[Counted]) -> list[Panel]:
+    """Reads per step of the engine and of the loop, and the engine's ms per step, by layout."""
+    looped = [layout for layout in counted if layout.loop is not None]
+    reads = {
+        "engine": ([layout.index for layout in counted], [layout.engine["syncs_per_step"] for layout in counted]),
+        "loop": ([layout.index for layout in looped], [layout.loop["syncs_per_step"] for layout in looped]),
+    }
+    milliseconds = {
+        "engine": (
+            [layout.index for layout in counted],
+            [1e3 * layout.engine["seconds_per_step"] for layout in counted],
+        )
+    }
+    return [
+        Panel(
+            title="hostcost: host reads of the device per quiet step, by layout",
+            xlabel="layout (row order)",
+            ylabel="reads per step",
+            series=reads,
+        ),
+        Panel(
+            title="hostcost: ms per quiet step, by layout (a CPU: compute is host time)",
+            xlabel="layout (row order)",
+            ylabel="ms",
+            series=milliseconds,
+        ),
+    ]
+
+
+METHOD = (
+    f"{CONFIG.relative_to(ROOT)} with {', '.join(COMMON)}: GPT-2 124M's 148 tensors at width 64. Per layout, "
+    f"one run of {STEPS} steps (2 ranks where the layout has more than one data-parallel rank or stage); the "
+    f"steps after the first {WARMUP_STEPS} that neither log, evaluate nor save are alternately counted "
+    "(bench/host_syncs.py: scalar reads, tolist/cpu/numpy, synchronize, aten operations) and timed. The "
+    "minimal loop (bench/baseline.py) runs the same config in the same process after the engine, in the "
+    "one-rank layouts. Graph breaks are dynamo's count over the whole compiled run (the counted steps of "
+    "a compiled run dispatch eagerly under the counter, so their operations are not the compiled "
+    "graph's). Rows of reads compare with the loop's reads in the same layout (elsewhere its most in any "
+    "layout), their ratio taken over at least one read; each layout's ms per step is in the printed "
+    "lines and the second plot, and beside the loop's in the one-rank layouts. Rows without a goal "
+    "are routes the engine takes only when told to: bf16 as written at ZeRO-0 (DeepSpeed's wrapper "
+    "reads every gradient) "
+    "and the nonfinite-skip policy, which reads the device every step (its cost: its ms against the "
+    "row before it). "
+    "DeepSpeed's FusedAdam on the CPU is one C++ call outside the dispatcher, as torch's fused AdamW "
+    "is one operation per parameter group in the loop."
+)

@@ -42,7 +42,7 @@ def measured_commit() -> str | None:
     commit = git("rev-parse", "--short", "HEAD")
     if commit is None:
         return None
-    code = ["engine", "models", "data", "bench", ":!bench/results.json", "configs"]
+    code = ["engine", "models", "data", "parallelism", "bench", ":!bench/results.json", "configs"]
     changed = git("status", "--porcelain", "--untracked-files=no", "--", *code)
     return commit + ("+changes" if changed else "")
 

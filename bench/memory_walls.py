@@ -20,14 +20,14 @@ Memory, subtracted twice so that only what the loss holds is left:
 The goal is the issue's: the fused loss's share at most a quarter of the full loss's.
 
 "fused" is Liger-Kernel's fused linear cross-entropy on CUDA; on a CPU it runs the engine's tiled
-loss (models/tiling.py), pieces of at most `models.common.LOSS_PIECE_BYTES` of logits, so here the
+loss (models/tiling.py), pieces of at most `models.tile_sizes.LOSS_PIECE_BYTES` of logits, so here the
 two are one code path: the sweep runs "fused", and "tiled" once, at micro-batch 1, to show it.
 The checkpointing choices (`models.checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
 
 Speed: a step's time (metrics.jsonl's `step_time_s`), over the steps after the first. Goal: fused /
 full <= 1.1.
 
-Plan: `python -m engine plan`'s activations (engine/plan, models/common.py `decoder_activations`)
+Plan: `python -m engine plan`'s activations (engine/plan, models/costs.py `decoder_activations`)
 over the same differences. It counts the attention scores of SDPA's math kernel; torch's CPU kernel
 for fp32 is a flash kernel that keeps none (its backward saves queries, keys, values, output and
 log-sum-exp), so for the body the plan is an upper bound here.
@@ -55,6 +55,11 @@ MODEL = [
     "model.num_attention_heads=4",
     "model.num_key_value_heads=2",
     "model.num_hidden_layers=2",
+    # SGD without momentum or decay steps in place: AdamW's step makes temporaries as large as the
+    # head, which would raise the short reference run's peak and hide part of the loss's share.
+    "optimizer.type=SGD",
+    "optimizer.params.momentum=0",
+    "optimizer.params.weight_decay=0",
 ]
 VOCAB = 128256  # Llama 3's
 SMALL_VOCAB = 256  # the body alone: its logits are negligible beside the model's activations
@@ -170,43 +175,65 @@ def memory_walls_result(trials: dict[Point, Trial], machine: dict[str, Any]) -> 
     against full; tiled against fused; each checkpointing choice against none; then measured against
     planned activations and shares."""
     figures = Figures(trials)
-    descending = sorted(MICRO_BATCHES, reverse=True)
-    full, fused = ({batch: Point(loss, batch) for batch in MICRO_BATCHES} for loss in ("full", "fused"))
-    none = checkpointed(NONE)
-    rows: list[Row] = []
-    for batch in descending:
+    return Result(
+        name="memory-walls",
+        title="Llama 3's vocabulary on a CPU: the loss's memory, full and fused, and activation checkpointing",
+        baseline="baseline",
+        method=_METHOD,
+        rows=loss_rows(figures) + tiled_rows(trials) + checkpointing_rows(figures) + plan_rows(figures),
+        panels=[loss_panel(figures), checkpointing_panel(figures)],
+        machine=machine,
+    )
+
+
+def loss_rows(figures: Figures) -> list[Row]:
+    """At each micro-batch, largest first: the loss's share (the goal), peak RSS and step time, fused
+    against full."""
+    trials, rows = figures.trials, []
+    for batch in sorted(MICRO_BATCHES, reverse=True):
+        full, fused = Point("full", batch), Point("fused", batch)
         rows += [
             compare(
                 f"the loss's share of peak memory at micro-batch {batch}, MiB: fused vs full",
-                figures.share(full[batch]) / MIB,
-                figures.share(fused[batch]) / MIB,
+                figures.share(full) / MIB,
+                figures.share(fused) / MIB,
                 SHARE_GOAL,
             ),
             compare(
                 f"peak RSS at micro-batch {batch}, MiB: fused vs full",
-                trials[full[batch]].peak / MIB,
-                trials[fused[batch]].peak / MIB,
+                trials[full].peak / MIB,
+                trials[fused].peak / MIB,
             ),
             compare(
                 f"seconds per step at micro-batch {batch}: fused vs full",
-                trials[full[batch]].seconds_per_step,
-                trials[fused[batch]].seconds_per_step,
+                trials[full].seconds_per_step,
+                trials[fused].seconds_per_step,
                 STEP_GOAL,
             ),
         ]
-    tiled = Point("tiled", CHECKPOINTED_BATCH)
-    rows += [
+    return rows
+
+
+def tiled_rows(trials: dict[Point, Trial]) -> list[Row]:
+    """The tiled loss against the fused, one code path on a CPU: peak RSS and step time."""
+    fused, tiled = Point("fused", CHECKPOINTED_BATCH), Point("tiled", CHECKPOINTED_BATCH)
+    return [
         compare(
             f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused (one code path on a CPU): peak RSS, MiB",
-            trials[fused[CHECKPOINTED_BATCH]].peak / MIB,
+            trials[fused].peak / MIB,
             trials[tiled].peak / MIB,
         ),
         compare(
             f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused: seconds per step",
-            trials[fused[CHECKPOINTED_BATCH]].seconds_per_step,
+            trials[fused].seconds_per_step,
             trials[tiled].seconds_per_step,
         ),
     ]
+
+
+def checkpointing_rows(figures: Figures) -> list[Row]:
+    """Each checkpointing choice against none: activation memory and step time."""
+    none, rows = checkpointed(NONE), []
     for choice in SUGGESTED[1:]:
         point = checkpointed(choice)
         rows += [
@@ -217,17 +244,25 @@ def memory_walls_result(trials: dict[Point, Trial], machine: dict[str, Any]) -> 
             ),
             compare(
                 f"checkpointing {choice.label} vs off: seconds per step",
-                trials[none].seconds_per_step,
-                trials[point].seconds_per_step,
+                figures.trials[none].seconds_per_step,
+                figures.trials[point].seconds_per_step,
             ),
         ]
+    return rows
+
+
+def plan_rows(figures: Figures) -> list[Row]:
+    """Measured against planned: activation memory of every point but the references, the loss's
+    share in each sweep, and the memory each checkpointing choice saves."""
+    descending = sorted(MICRO_BATCHES, reverse=True)
+    sweeps = [Point(loss, batch) for loss in ("full", "fused") for batch in descending]
     planned = [
         *(body(batch) for batch in descending),
-        *(point[batch] for point in (full, fused) for batch in descending),
-        tiled,
+        *sweeps,
+        Point("tiled", CHECKPOINTED_BATCH),
         *(checkpointed(choice) for choice in SUGGESTED[1:]),
     ]
-    rows += [
+    rows = [
         compare(
             f"{_described(point)}: activation memory, MiB: measured vs plan",
             figures.activations(point, planned=True) / MIB,
@@ -241,9 +276,10 @@ def memory_walls_result(trials: dict[Point, Trial], machine: dict[str, Any]) -> 
             figures.share(point, planned=True) / MIB,
             figures.share(point) / MIB,
         )
-        for point in (sweep[batch] for sweep in (full, fused) for batch in descending)
+        for point in sweeps
     ]
-    rows += [
+    none = checkpointed(NONE)
+    return rows + [
         compare(
             f"checkpointing {choice.label}: activation memory saved against off, MiB: measured vs plan",
             (figures.activations(none, planned=True) - figures.activations(checkpointed(choice), planned=True)) / MIB,
@@ -251,50 +287,49 @@ def memory_walls_result(trials: dict[Point, Trial], machine: dict[str, Any]) -> 
         )
         for choice in SUGGESTED[1:]
     ]
-    return Result(
-        name="memory-walls",
-        title="Llama 3's vocabulary on a CPU: the loss's memory, full and fused, and activation checkpointing",
-        baseline="baseline",
-        method=_METHOD,
-        rows=rows,
-        panels=[
-            Panel(
-                title="memory-walls: peak memory against micro-batch",
-                xlabel="micro-batch (sequences of 2048 tokens)",
-                ylabel="MiB",
-                series={
-                    **{
-                        f"{loss} loss: peak RSS": (
-                            list(MICRO_BATCHES),
-                            [trials[p[b]].peak / MIB for b in MICRO_BATCHES],
-                        )
-                        for loss, p in (("full", full), ("fused", fused))
-                    },
-                    **{
-                        f"{loss} loss: its share": (
-                            list(MICRO_BATCHES),
-                            [figures.share(p[b]) / MIB for b in MICRO_BATCHES],
-                        )
-                        for loss, p in (("full", full), ("fused", fused))
-                    },
-                },
-            ),
-            Panel(
-                title=f"memory-walls: checkpointing, fused loss, micro-batch {CHECKPOINTED_BATCH}",
-                xlabel="seconds per step",
-                ylabel="activations less the loss's share, MiB",
-                # Less the loss's share without checkpointing (which no choice changes): the loss's
-                # 2.5 GB would flatten the tens of MB that checkpointing moves on an axis from zero.
-                series={
-                    choice.label: (
-                        [trials[checkpointed(choice)].seconds_per_step],
-                        [(figures.activations(checkpointed(choice)) - figures.share(none)) / MIB],
-                    )
-                    for choice in SUGGESTED
-                },
-            ),
-        ],
-        machine=machine,
+
+
+def loss_panel(figures: Figures) -> Panel:
+    """Peak RSS and the loss's share against micro-batch, full and fused."""
+    return Panel(
+        title="memory-walls: peak memory against micro-batch",
+        xlabel="micro-batch (sequences of 2048 tokens)",
+        ylabel="MiB",
+        series={
+            **{
+                f"{loss} loss: peak RSS": (
+                    list(MICRO_BATCHES),
+                    [figures.trials[Point(loss, b)].peak / MIB for b in MICRO_BATCHES],
+                )
+                for loss in ("full", "fused")
+            },
+            **{
+                f"{loss} loss: its share": (
+                    list(MICRO_BATCHES),
+                    [figures.share(Point(loss, b)) / MIB for b in MICRO_BATCHES],
+                )
+                for loss in ("full", "fused")
+            },
+        },
+    )
+
+
+def checkpointing_panel(figures: Figures) -> Panel:
+    """Each checkpointing choice's step time against its activations less the loss's share."""
+    none = checkpointed(NONE)
+    return Panel(
+        title=f"memory-walls: checkpointing, fused loss, micro-batch {CHECKPOINTED_BATCH}",
+        xlabel="seconds per step",
+        ylabel="activations less the loss's share, MiB",
+        # Less the loss's share without checkpointing (which no choice changes): the loss's
+        # 2.5 GB would flatten the tens of MB that checkpointing moves on an axis from zero.
+        series={
+            choice.label: (
+                [figures.trials[checkpointed(choice)].seconds_per_step],
+                [(figures.activations(checkpointed(choice)) - figures.share(none)) / MIB],
+            )
+            for choice in SUGGESTED
+        },
     )
 
 
@@ -310,7 +345,7 @@ _METHOD = (
     f"with Llama 3's vocabulary of {VOCAB:,} (untied head), fp32, ZeRO-0, AdamW, synthetic tokens, {LENGTH} per "
     f"sequence, one rank under the `deepspeed` launcher, {STEPS} steps (the first allocates Adam's states; the "
     "second, at the full peak, is the one timed), every core. Peak RSS: the rank's VmHWM over the run, read from "
-    "/proc every 100 ms (bench/data.py). Activation memory: the peak above the same vocabulary's run at "
+    "/proc every 100 ms (bench/rank_memory.py). Activation memory: the peak above the same vocabulary's run at "
     f"{REFERENCE} tokens (the interpreter, torch, DeepSpeed and the model states, which a GPU's allocator would "
     "not count). The loss's share: the activation memory less the body's, the same model and micro-batch at a "
     f"vocabulary of {SMALL_VOCAB}, whose logits are negligible (its own activations above its own {REFERENCE}-token "

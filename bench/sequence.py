@@ -8,7 +8,7 @@ vocabulary 256, fp32, ZeRO-0, one sequence per micro-batch) trains on synthetic 
 way. The model is small beside its activations: 24 MiB of model states against hundreds of MiB of
 activations at the longest length.
 
-Memory: each rank process's peak RSS (VmHWM, read from /proc by bench/data.py's watcher) over the
+Memory: each rank process's peak RSS (VmHWM, read from /proc by bench/rank_memory.py) over the
 whole run. The host holds what a GPU would not (the interpreter, torch, DeepSpeed), so a rank's
 activation memory is its peak above the same run's at REFERENCE tokens, whose own activations are
 negligible: what grows with the sequence. The figure per rank is the busiest rank's. The goal is the
@@ -19,7 +19,7 @@ At equal tokens per rank, SP 2 at length 2L is set against SP 1 at L: each rank 
 outside attention, while inside it attends over 2L positions for half the heads, twice the scores of
 SP 1 at L, and all-to-alls move its queries, keys, values and outputs. No goal: the ratio is reported.
 
-Plan: `python -m engine plan`'s activation estimate per rank (engine/plan, models/common.py
+Plan: `python -m engine plan`'s activation estimate per rank (engine/plan, models/costs.py
 `decoder_activations`) beside the measured figure, over the same difference (the plan at the length
 less the plan at REFERENCE tokens). It counts the attention scores that SDPA's math kernel holds;
 torch's CPU kernel for fp32 is a flash kernel that holds none, so here the plan is an upper bound.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.data import watched_launch
 from bench.machine import machine_facts
+from bench.rank_memory import watched_launch
 from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, read_records, run_overrides
@@ -133,10 +133,24 @@ def planned(trials: dict[tuple[int, int], Trial], degree: int, length: int) -> i
 def sequence_result(trials: dict[tuple[int, int], Trial], machine: dict[str, Any]) -> Result:
     """Rows, longest length first: activation memory per rank (the goal at the longest), peak RSS per
     rank, step time at equal tokens per rank, then measured against planned activations."""
+    return Result(
+        name="sequence",
+        title="Ulysses sequence parallelism: memory per rank against sequence length, SP 1 and SP 2",
+        baseline="baseline",
+        method=METHOD,
+        rows=memory_rows(trials) + speed_rows(trials) + plan_rows(trials),
+        panels=[memory_panel(trials)],
+        machine=machine,
+    )
+
+
+def memory_rows(trials: dict[tuple[int, int], Trial]) -> list[Row]:
+    """Activation memory per rank (the goal at the longest length), then peak RSS per rank, SP 2
+    against SP 1, longest length first."""
     one, split = DEGREES
     longest = max(LENGTHS)
     descending = sorted(LENGTHS, reverse=True)
-    rows: list[Row] = [
+    rows = [
         compare(
             f"activation memory per rank at {length} tokens, MiB: SP {split} vs SP {one}",
             activations(trials, one, length) / MIB,
@@ -145,7 +159,7 @@ def sequence_result(trials: dict[tuple[int, int], Trial], machine: dict[str, Any
         )
         for length in descending
     ]
-    rows += [
+    return rows + [
         compare(
             f"peak RSS per rank at {length} tokens, MiB: SP {split} vs SP {one}",
             trials[one, length].peak / MIB,
@@ -153,67 +167,73 @@ def sequence_result(trials: dict[tuple[int, int], Trial], machine: dict[str, Any
         )
         for length in descending
     ]
-    rows += [
+
+
+def speed_rows(trials: dict[tuple[int, int], Trial]) -> list[Row]:
+    """Step time at equal tokens per rank: SP 2 at 2L against SP 1 at L, where both were run."""
+    one, split = DEGREES
+    return [
         compare(
             f"seconds per step at {length // split} tokens per rank: SP {split} at {length} vs SP {one} at "
             f"{length // split}",
             trials[one, length // split].seconds_per_step,
             trials[split, length].seconds_per_step,
         )
-        for length in descending
+        for length in sorted(LENGTHS, reverse=True)
         if length // split in LENGTHS
     ]
-    rows += [
+
+
+def plan_rows(trials: dict[tuple[int, int], Trial]) -> list[Row]:
+    """Measured against planned activation memory per rank, each degree at each length."""
+    return [
         compare(
             f"SP {degree} at {length} tokens: activation memory per rank, MiB: measured vs plan",
             planned(trials, degree, length) / MIB,
             activations(trials, degree, length) / MIB,
         )
         for degree in DEGREES
-        for length in descending
+        for length in sorted(LENGTHS, reverse=True)
     ]
-    return Result(
-        name="sequence",
-        title="Ulysses sequence parallelism: memory per rank against sequence length, SP 1 and SP 2",
-        baseline="baseline",
-        method=(
-            f"{CONFIG.relative_to(ROOT)} widened to hidden 256 (4 query, 2 key/value heads, intermediate 688, "
-            f"2 layers, vocabulary 256), fp32, ZeRO-0, one sequence per micro-batch of synthetic tokens, under the "
-            f"`deepspeed` launcher, {STEPS} steps, one thread per rank: SP 1 on 1 rank, SP 2 "
-            f"(`parallel.sequence_parallel_size=2`, DeepSpeed's Ulysses) on 2 ranks, at {', '.join(map(str, LENGTHS))} "
-            f"tokens. Peak RSS: each rank process's VmHWM over the run, read from /proc every 100 ms; a rank's "
-            f"activation memory is its peak above the same degree's run at {REFERENCE} tokens (the interpreter, "
-            "torch, DeepSpeed and the model states, which a GPU's allocator would not count); per rank means the "
-            "busiest rank. Step time: the median `step_time_s` of every step after the first; at equal tokens per "
-            "rank SP 2 at 2L is set against SP 1 at L (each rank holds L tokens outside attention; inside it, "
-            "2L positions for half the heads, so twice the attention work of SP 1 at L, plus the all-to-alls). "
-            "Plan: `python -m engine plan`'s activations per rank less its figure at "
-            f"{REFERENCE} tokens; it counts the attention scores that SDPA's math kernel keeps, which torch's "
-            "fp32 CPU flash kernel does not, so on this machine it is an upper bound."
-        ),
-        rows=rows,
-        panels=[
-            Panel(
-                title="sequence: memory per rank",
-                xlabel="sequence length (tokens)",
-                ylabel="MiB",
-                series={
-                    **{
-                        f"SP {degree} peak RSS": (
-                            [REFERENCE, *LENGTHS],
-                            [trials[degree, length].peak / MIB for length in (REFERENCE, *LENGTHS)],
-                        )
-                        for degree in DEGREES
-                    },
-                    **{
-                        f"SP {degree} activations": (
-                            list(LENGTHS),
-                            [activations(trials, degree, length) / MIB for length in LENGTHS],
-                        )
-                        for degree in DEGREES
-                    },
-                },
-            )
-        ],
-        machine=machine,
+
+
+def memory_panel(trials: dict[tuple[int, int], Trial]) -> Panel:
+    """Each degree's peak RSS and activations per rank against sequence length."""
+    return Panel(
+        title="sequence: memory per rank",
+        xlabel="sequence length (tokens)",
+        ylabel="MiB",
+        series={
+            **{
+                f"SP {degree} peak RSS": (
+                    [REFERENCE, *LENGTHS],
+                    [trials[degree, length].peak / MIB for length in (REFERENCE, *LENGTHS)],
+                )
+                for degree in DEGREES
+            },
+            **{
+                f"SP {degree} activations": (
+                    list(LENGTHS),
+                    [activations(trials, degree, length) / MIB for length in LENGTHS],
+                )
+                for degree in DEGREES
+            },
+        },
     )
+
+
+METHOD = (
+    f"{CONFIG.relative_to(ROOT)} widened to hidden 256 (4 query, 2 key/value heads, intermediate 688, "
+    f"2 layers, vocabulary 256), fp32, ZeRO-0, one sequence per micro-batch of synthetic tokens, under the "
+    f"`deepspeed` launcher, {STEPS} steps, one thread per rank: SP 1 on 1 rank, SP 2 "
+    f"(`parallel.sequence_parallel_size=2`, DeepSpeed's Ulysses) on 2 ranks, at {', '.join(map(str, LENGTHS))} "
+    f"tokens. Peak RSS: each rank process's VmHWM over the run, read from /proc every 100 ms; a rank's "
+    f"activation memory is its peak above the same degree's run at {REFERENCE} tokens (the interpreter, "
+    "torch, DeepSpeed and the model states, which a GPU's allocator would not count); per rank means the "
+    "busiest rank. Step time: the median `step_time_s` of every step after the first; at equal tokens per "
+    "rank SP 2 at 2L is set against SP 1 at L (each rank holds L tokens outside attention; inside it, "
+    "2L positions for half the heads, so twice the attention work of SP 1 at L, plus the all-to-alls). "
+    "Plan: `python -m engine plan`'s activations per rank less its figure at "
+    f"{REFERENCE} tokens; it counts the attention scores that SDPA's math kernel keeps, which torch's "
+    "fp32 CPU flash kernel does not, so on this machine it is an upper bound."
+)

@@ -21,9 +21,9 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from bench.results import Goal, Panel, Result, compare
+from bench.results import Goal, Panel, Result, Row, compare
 from bench.settings import Settings
-from bench.trials import ROOT, RUNS, median, rounds, run_overrides
+from bench.trials import ROOT, RUNS, Pair, median, rounds, run_overrides
 from engine.config import EngineConfig, load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data
@@ -87,59 +87,73 @@ def run(settings: Settings) -> Result:
         f"{pair.engine.eval_loss:.3f}, {pair.baseline.eval_loss:.3f}, {own:.3f}"
         for pair, own in zip(pairs, nanogpt, strict=True)
     )
-    early = None if steps == GOAL_STEP else f"the goal is stated at step {GOAL_STEP}; this run stopped at {steps}"
-    first = {"engine": pairs[0].engine, BASELINE: pairs[0].baseline}
-    curves = {f"{side} training": tuple(map(list, zip(*first[side].losses, strict=True))) for side in first}
-    finals = {f"{side} validation": ([steps], [first[side].eval_loss]) for side in first}
-    finals["nanoGPT validation"] = ([steps], [nanogpt[0]])
     return Result(
         name="shakespeare",
         title="Character-level GPT on tinyshakespeare: quality and speed",
         baseline=f"{BASELINE} (nanoGPT's own code in the last row)",
-        method=(
-            f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
-            f"{settings.threads} threads, {settings.quality_rounds} round(s), each a fresh process in which the engine "
-            "and the loop alternate window by window (bench/paired.py), the engine logging every "
-            f"{log_interval} steps; speed is the median {log_interval}-step window after the first. Validation loss "
-            f"after the last step over {split.batches} batches of {split.micro_batch} samples of "
-            f"{split.seq_len} characters, each scored on the character after every one of them, cut every "
-            f"{split.seq_len} characters: {split.batches * split.micro_batch} of the {split.samples} samples of "
-            "the last 10% of the text, in order. Weight decay reaches the matrices only (trainer.weight_decay_on). "
-            "nanoGPT's own model and loop (bench/nanogpt.py: no biases, no decay on gains, windows drawn at random "
-            "offsets with replacement) "
-            f"train the same recipe, seed {NANOGPT_SEED} + round, in a process of their own, and are validated "
-            f"on the same samples. The engine and the loop start from seed {seed} + round. Validation loss by round "
-            f"(engine, loop, nanoGPT): {by_round}."
-        ),
-        rows=[
-            compare(
-                "seconds per step",
-                median([p.baseline.seconds_per_step for p in pairs]),
-                median([p.engine.seconds_per_step for p in pairs]),
-                SPEED_GOAL,
-                ratio=median([1 / p.ratio for p in pairs]),
-            ),
-            compare(
-                f"validation loss at step {steps}",
-                median([p.baseline.eval_loss for p in pairs]),
-                median([p.engine.eval_loss for p in pairs]),
-                LOSS_GOAL,
-                not_judged=early,
-            ),
-            compare(
-                f"validation loss at step {steps}, against nanoGPT's own code",
-                median(nanogpt),
-                median([p.engine.eval_loss for p in pairs]),
-            ),
-        ],
-        panels=[
-            Panel(
-                title="shakespeare: loss (first round)",
-                xlabel="step",
-                ylabel="cross-entropy",
-                series={**curves, **finals},
-                goal_line=LOSS_GOAL.limit,
-            )
-        ],
+        method=method(settings, split, seed, log_interval, by_round),
+        rows=rows(pairs, nanogpt, steps),
+        panels=[loss_panel(pairs[0], nanogpt[0], steps)],
         machine=pairs[0].machine,
+    )
+
+
+def rows(pairs: list[Pair], nanogpt: list[float], steps: int) -> list[Row]:
+    """Speed and validation loss against the loop, medians over rounds; the loss against nanoGPT's."""
+    early = None if steps == GOAL_STEP else f"the goal is stated at step {GOAL_STEP}; this run stopped at {steps}"
+    return [
+        compare(
+            "seconds per step",
+            median([p.baseline.seconds_per_step for p in pairs]),
+            median([p.engine.seconds_per_step for p in pairs]),
+            SPEED_GOAL,
+            ratio=median([1 / p.ratio for p in pairs]),
+        ),
+        compare(
+            f"validation loss at step {steps}",
+            median([p.baseline.eval_loss for p in pairs]),
+            median([p.engine.eval_loss for p in pairs]),
+            LOSS_GOAL,
+            not_judged=early,
+        ),
+        compare(
+            f"validation loss at step {steps}, against nanoGPT's own code",
+            median(nanogpt),
+            median([p.engine.eval_loss for p in pairs]),
+        ),
+    ]
+
+
+def loss_panel(first: Pair, nanogpt: float, steps: int) -> Panel:
+    """The first round's training curves and final validation losses, the goal drawn across."""
+    sides = {"engine": first.engine, BASELINE: first.baseline}
+    curves = {f"{side} training": tuple(map(list, zip(*sides[side].losses, strict=True))) for side in sides}
+    finals = {f"{side} validation": ([steps], [sides[side].eval_loss]) for side in sides}
+    finals["nanoGPT validation"] = ([steps], [nanogpt])
+    return Panel(
+        title="shakespeare: loss (first round)",
+        xlabel="step",
+        ylabel="cross-entropy",
+        series={**curves, **finals},
+        goal_line=LOSS_GOAL.limit,
+    )
+
+
+def method(settings: Settings, split: ValidationSplit, seed: int, log_interval: int, by_round: str) -> str:
+    """How the figures were made; `by_round` lists each round's validation losses."""
+    steps = settings.quality_steps
+    return (
+        f"{CONFIG.relative_to(ROOT)} for {steps} steps (LR schedule over the same {steps}), one process, "
+        f"{settings.threads} threads, {settings.quality_rounds} round(s), each a fresh process in which the engine "
+        "and the loop alternate window by window (bench/paired.py), the engine logging every "
+        f"{log_interval} steps; speed is the median {log_interval}-step window after the first. Validation loss "
+        f"after the last step over {split.batches} batches of {split.micro_batch} samples of "
+        f"{split.seq_len} characters, each scored on the character after every one of them, cut every "
+        f"{split.seq_len} characters: {split.batches * split.micro_batch} of the {split.samples} samples of "
+        "the last 10% of the text, in order. Weight decay reaches the matrices only (trainer.weight_decay_on). "
+        "nanoGPT's own model and loop (bench/nanogpt.py: no biases, no decay on gains, windows drawn at random "
+        "offsets with replacement) "
+        f"train the same recipe, seed {NANOGPT_SEED} + round, in a process of their own, and are validated "
+        f"on the same samples. The engine and the loop start from seed {seed} + round. Validation loss by round "
+        f"(engine, loop, nanoGPT): {by_round}."
     )

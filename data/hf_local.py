@@ -1,10 +1,15 @@
 """Hugging Face `datasets` builders run on local files, offline and without a shared cache."""
 
-import tempfile
-from typing import Any
+from __future__ import annotations
 
-import datasets
-import pyarrow
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` (and pandas, pyarrow under it) is imported where rows are read: the config's checks import
+# this module through the data kinds, and a launch's pre-flight must not pay for it.
 
 
 def load_local_dataset(builder: str, **kwargs: Any) -> datasets.Dataset | datasets.DatasetDict:
@@ -15,6 +20,9 @@ def load_local_dataset(builder: str, **kwargs: Any) -> datasets.Dataset | datase
     throw-away directory and keeps the result in memory: nothing is shared between processes
     and nothing is left on disk. Re-reading a local corpus is cheap next to training on it.
     """
+    import datasets
+    import pyarrow
+
     with tempfile.TemporaryDirectory(prefix="dsengine-data-") as cache_dir:
         try:
             return datasets.load_dataset(builder, cache_dir=cache_dir, keep_in_memory=True, **kwargs)

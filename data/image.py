@@ -7,13 +7,14 @@ How the epoch reaches augmentation: the training sampler (data/loader.py) yields
 for any worker count and after any resume, and changes from one epoch to the next.
 """
 
+from __future__ import annotations
+
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import datasets
 import numpy as np
 import torch
 from torch import Tensor
@@ -22,6 +23,12 @@ from torch.utils.data import Dataset
 from data.hf_local import load_local_dataset
 from data.seeding import keyed_rng
 from data.transforms import ImageTransform
+
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` is imported where a folder is read: the config's checks import this module through the data
+# kinds, and a launch's pre-flight must not pay for it.
 
 CIFAR_DIRECTORY = "cifar-10-batches-py"
 CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -173,6 +180,8 @@ def read_image_folder(directory: Path, validation_fraction: float) -> tuple[Fold
     evaluation of `eval_batches` reads a prefix of it, which in folder order would score only the
     first few classes.
     """
+    import datasets
+
     try:
         splits = load_local_dataset("imagefolder", data_dir=str(directory))
     except FileNotFoundError as error:

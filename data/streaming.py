@@ -13,21 +13,27 @@ same pair). Rows are not shuffled: a shuffle buffer's contents are lost on resum
 refills it with other rows), which would break that exactness.
 """
 
+from __future__ import annotations
+
 import copy
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import datasets
 import torch
-from datasets.distributed import split_dataset_by_node
 from torch import Tensor
 
 from data.tokenizers import Tokenizer
 from data.tokens.corpus import ROW_SUFFIXES, TEXT_SUFFIX, corpus_files, is_saved_dataset
+
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` is imported where a stream opens: the config's checks import this module through the data
+# kinds, and a launch's pre-flight must not pay for it.
 
 FILE_COLUMN = "file_index"
 """Added to the rows of .txt sources: which file a line came from, so a file's lines form one document."""
@@ -57,6 +63,8 @@ def open_text_stream(source: str | Path | Sequence[str | Path], text_field: str)
     encoding; an HF tokenizer can differ only where its vocabulary merges a line break with
     what follows it (GPT-2's "\\n\\n"), the price of never holding a file whole.
     """
+    import datasets
+
     files = _local_files(source)
     if files is None:
         return TextRows(datasets.load_dataset(str(source), split="train", streaming=True), text_field, False)
@@ -123,7 +131,7 @@ class StreamedWindows:
         self._open_file: int | None = None  # a .txt source's file whose lines are being read
         self._windows: Iterator[dict[str, Tensor]] | None = None
 
-    def __iter__(self) -> "StreamedWindows":
+    def __iter__(self) -> StreamedWindows:
         return self
 
     def __next__(self) -> dict[str, Tensor]:
@@ -165,6 +173,8 @@ class StreamedWindows:
         self._windows = None
 
     def _generate(self) -> Iterator[dict[str, Tensor]]:
+        from datasets.distributed import split_dataset_by_node
+
         eos = self._tokenizer.eos_id
         while True:
             rows = split_dataset_by_node(self._rows, rank=self._dp_rank, world_size=self._dp_size)

@@ -1,5 +1,8 @@
 """Command-line interface. `train_main` parses what launchers pass to engine/main.py; `main` is
-`python -m engine` with its subcommands."""
+`python -m engine` with its subcommands.
+
+Each command imports what it runs inside its own function: `validate` is the pre-flight of every
+launch and must not pay for torch.distributed, the checkpoint code or the planner it does not use."""
 
 from __future__ import annotations
 
@@ -9,20 +12,6 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import yaml
-
-from engine.config import ConfigError, load_config
-from engine.config.reference import render_reference
-from engine.config.schema import SCHEMA
-from engine.launch.detect import accelerate_settings
-from engine.launch.environment import write_launch_env
-from engine.launch.hardware import detect_hardware
-from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
-from engine.launch.ops import device_capabilities, op_problems, ops_needed
-from engine.parallel.layout import parallel_layout
-from engine.prepare import RunError, check_data, check_lora_targets, check_nvme
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +70,15 @@ def train_main(argv: list[str] | None = None) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from engine.config import ConfigError, load_config
+    from engine.launch.hardware import detect_hardware
+    from engine.launch.ops import device_capabilities, op_problems, ops_needed
+    from engine.parallel.layout import parallel_layout
+    from engine.prepare import RunError, check_data, check_nvme
+
     if args.hostfile is not None:
+        from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
+
         try:
             hosts = active_hosts(read_hostfile(args.hostfile), args.include, args.exclude, args.num_nodes)
         except HostfileError as error:
@@ -139,6 +136,13 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _accelerate_config(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from engine.config import ConfigError, load_config
+    from engine.launch.detect import accelerate_settings
+    from engine.launch.hardware import detect_hardware
+
     hardware = detect_hardware()
     on_cpu = hardware.device_type == "cpu"
     processes = args.num_processes or (2 if on_cpu else torch.cuda.device_count())
@@ -157,8 +161,11 @@ def _accelerate_config(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """`plan` and `explain`: the per-rank table (or the rank-by-rank story) of a config, without
     starting anything; exit 1 when it does not fit the memory given, 2 on bad input."""
+    from engine.config import ConfigError, load_config
+    from engine.launch.hardware import detect_hardware
     from engine.plan import data_sizes, explain, parse_bytes, plan_run, suggest, table, verdict
     from engine.plan.report import describe_candidate
+    from engine.prepare import RunError, check_data, check_lora_targets
 
     try:
         device_memory = parse_bytes(args.device_memory) if getattr(args, "device_memory", None) else None
@@ -220,6 +227,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _prepare_data(args: argparse.Namespace) -> int:
     """Tokenize the config's data into the token cache now, rather than at the first launch."""
     from data.kinds import NothingToPrepare, get_kind
+    from engine.config import ConfigError, load_config
+    from engine.launch.hardware import detect_hardware
 
     try:
         hardware = detect_hardware()
@@ -344,6 +353,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch_env(args: argparse.Namespace) -> int:
+    from engine.launch.environment import write_launch_env
+
     try:
         variables = write_launch_env(args.output)
     except ValueError as error:
@@ -354,11 +365,15 @@ def _launch_env(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from engine.config.schema import SCHEMA
+
     print(json.dumps(SCHEMA, indent=2))
     return 0
 
 
 def _docs(args: argparse.Namespace) -> int:
+    from engine.config.reference import render_reference
+
     args.output.write_text(render_reference())
     print(f"wrote {args.output}")
     return 0

@@ -14,14 +14,13 @@ import torch
 
 from data import DataBundle, batches_per_epoch, build_datasets
 from data.tokens.external import check_ids_below
-from engine.backends.optim import exempts_vectors
 from engine.checkpoints.export import base_model
 from engine.checkpoints.integrity import check_intact
 from engine.checkpoints.nvme import resume_problem
-from engine.checkpoints.reshape import SavedLayout, needs_conversion, read_layout
+from engine.checkpoints.reshape import CheckpointManifest, needs_conversion, read_manifest
 from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
-from engine.config.stop_keys import parse_duration
+from engine.config.stop_settings import parse_duration
 from engine.failures.faults import Fault, fault_from_env
 from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
@@ -32,8 +31,8 @@ from engine.launch.ops import prepare_ops
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
 from models import get_family
-from models.common import count_parameters
 from models.lora import target_problems
+from models.module_state import count_parameters
 
 
 class RunError(Exception):
@@ -164,8 +163,8 @@ class Prepared:
     data: DataBundle
     hardware: Hardware
     resume: CheckpointRef | None
-    saved_layout: SavedLayout | None  # the layout that saved the checkpoint resumed from
-    layout: SavedLayout  # this run's, recorded with each of its checkpoints
+    saved_manifest: CheckpointManifest | None  # the manifest of the checkpoint resumed from
+    manifest: CheckpointManifest  # this run's, recorded with each of its checkpoints
     reshape: bool  # saved on another layout: resume through a universal checkpoint
     fault: Fault | None
     parameters: int = 0  # the model's, counted where trainer.max_wall_time needs a save's duration
@@ -181,7 +180,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
     try:
         resume = resume_target(config.trainer.resume, config.trainer.output_path)
         check_steps_left(resume, config.trainer.max_steps)
-        saved = read_layout(resume.path) if resume else None
+        saved = read_manifest(resume.path) if resume else None
         if saved is not None and config.rerouted and saved.zero_stage != config.zero_stage:
             config = keep_configured_stage(config_path, overrides, hardware, resume, saved)
         if resume is not None:
@@ -191,8 +190,8 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         check_classes(config, bundle)
         get_family(config.model.family).check_init_from(config.model.fields)
         check_lora_targets(config)
-        layout = checkpoint_layout(config, bundle)
-        reshape = resume is not None and needs_conversion(saved, layout, resume.path)
+        manifest = checkpoint_manifest(config, bundle)
+        reshape = resume is not None and needs_conversion(saved, manifest, resume.path)
         if resume is not None:
             check_nvme_resume(config, resume, reshape)
         fault = fault_from_env()
@@ -201,7 +200,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         prepare_ops(config.document, hardware.device_type)  # last: it may build for minutes
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, saved, layout, reshape, fault, parameters)
+    return Prepared(config, bundle, hardware, resume, saved, manifest, reshape, fault, parameters)
 
 
 def check_wall_time(config: EngineConfig) -> int:
@@ -286,7 +285,7 @@ def load_without_fast_path(config_path: str, overrides: list[str], hardware: Har
 
 
 def keep_configured_stage(
-    config_path: str, overrides: list[str], hardware: Hardware, resume: CheckpointRef, saved: SavedLayout
+    config_path: str, overrides: list[str], hardware: Hardware, resume: CheckpointRef, saved: CheckpointManifest
 ) -> EngineConfig:
     """The config as written, for a one-rank resume of a checkpoint saved under ZeRO-1/2/3: DeepSpeed
     loads such a checkpoint into a ZeRO stage only (its universal form holds partitioned optimizer
@@ -309,14 +308,16 @@ def check_steps_left(resume: CheckpointRef | None, max_steps: int) -> None:
         )
 
 
-def checkpoint_layout(config: EngineConfig, bundle: DataBundle) -> SavedLayout:
-    """The record every checkpoint of this run keeps (`engine.checkpoints.reshape.SavedLayout`)."""
+def checkpoint_manifest(config: EngineConfig, bundle: DataBundle) -> CheckpointManifest:
+    """The record every checkpoint of this run keeps (`engine.checkpoints.reshape.CheckpointManifest`)."""
     layout = parallel_layout(config)
+    from engine.backends.optim import exempts_vectors  # DeepSpeed's optimizers: not for `validate`
+
     vocab_size = config.model.vocab_size if get_family(config.model.family).uses_vocabulary else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer.weight_decay_on) else 1
     tokenizer = bundle.tokenizer.fingerprint if bundle.tokenizer is not None else None
     streamed = bundle.streamed
-    return SavedLayout(
+    return CheckpointManifest(
         config.trainer.backend,
         layout.data,
         layout.pipeline,

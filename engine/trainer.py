@@ -17,7 +17,7 @@ from engine.backends.prefetch import DevicePrefetcher
 from engine.checkpoints.export import export_model, load_exported, sample_reply, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
-from engine.config.stop_keys import parse_duration, signal_number
+from engine.config.stop_settings import parse_duration, signal_number
 from engine.failures.nonfinite import NonfinitePolicy
 from engine.failures.preemption import StopRequests
 from engine.launch.signals import EXIT_PREEMPTED
@@ -29,7 +29,7 @@ from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import barrier, is_main_process
 from engine.prepare import Prepared
 from models import get_family
-from models.common import seed_everything
+from models.seeding import seed_everything
 
 
 class Trainer:
@@ -43,8 +43,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.output_dir,
             prepared.resume,
-            prepared.layout,
-            prepared.saved_layout,
+            prepared.manifest,
+            prepared.saved_manifest,
             prepared.reshape,
             self.config.world_size,
             self.config.trainer.keep_checkpoints,
@@ -55,10 +55,10 @@ class Trainer:
     def run(self) -> int:
         """Build, resume, train, save and export; the exit code (EXIT_PREEMPTED when a signal or
         trainer.max_wall_time stopped the run early, with a save)."""
-        config, trainer = self.config, self.config.trainer
+        config, trainer_section = self.config, self.config.trainer
         if is_main_process():
             (self.output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
-        seed_everything(trainer.seed)
+        seed_everything(trainer_section.seed)
         self.checkpoints.convert_source(config.document["train_batch_size"])
         settings = backend_settings(config, self.family, self.device, self.hooks, self.prepared.reshape)
         backend, dp_rank = build_backend(settings)
@@ -71,7 +71,7 @@ class Trainer:
             enabled=is_main_process(),
             total_steps=loop_settings.max_steps,
             start_step=start_step,
-            progress_bar=trainer.progress_bar,
+            progress_bar=trainer_section.progress_bar,
             sinks=build_sinks(config.deepspeed_config(), backend.deepspeed_monitor()),
         )
         self.announce(backend, logger, start_step)
@@ -92,7 +92,7 @@ class Trainer:
         if end.stopped is not None:
             logger.close()
             return EXIT_PREEMPTED
-        if trainer.export:
+        if trainer_section.export:
             self.export(backend, end.saved, logger, stops)
         if stops is not None and stops.signalled():
             # After the last step's save: nothing is lost by ending, and the scheduler's grace is running.
@@ -100,7 +100,7 @@ class Trainer:
             logger.close()
             return 0
         logger.close()
-        if trainer.plots and is_main_process():
+        if trainer_section.plots and is_main_process():
             paths = write_plots(self.output_dir)
             print(f"plots: {len(paths)} PNGs in {paths[0].parent if paths else self.output_dir}", flush=True)
         return 0
@@ -108,28 +108,30 @@ class Trainer:
     def stop_requests(self) -> StopRequests | None:
         """Collective: the signals and wall-clock limit that stop the run early with a save, caught
         from here on (None where neither is asked for)."""
-        trainer = self.config.trainer
-        signals = [signal_number(name) for name in trainer.signals] if trainer.save_on_signal else []
-        limit = None if trainer.max_wall_time is None else parse_duration(trainer.max_wall_time)
+        trainer_section = self.config.trainer
+        signals = [signal_number(name) for name in trainer_section.signals] if trainer_section.save_on_signal else []
+        limit = None if trainer_section.max_wall_time is None else parse_duration(trainer_section.max_wall_time)
         if not signals and limit is None:
             return None
-        return StopRequests(signals, trainer.signal_grace_s, limit).install()
+        return StopRequests(signals, trainer_section.signal_grace_s, limit).install()
 
     def loop_settings(self, stops: StopRequests | None = None) -> LoopSettings:
         """What the step loop needs of the config and the family, and nothing else."""
-        config, trainer = self.config, self.config.trainer
+        config, trainer_section = self.config, self.config.trainer
         family, data = self.family, config.data.as_mapping()
         return LoopSettings(
-            max_steps=trainer.max_steps,
-            log_interval=trainer.log_interval,
-            eval_interval=trainer.eval_interval,
-            save_interval=trainer.save_interval,
+            max_steps=trainer_section.max_steps,
+            log_interval=trainer_section.log_interval,
+            eval_interval=trainer_section.eval_interval,
+            save_interval=trainer_section.save_interval,
             items_per_step=config.document["train_batch_size"] * family.items_per_sample(data),
             throughput_key=family.throughput_key,
             world_size=config.world_size,
-            nonfinite=NonfinitePolicy(trainer.nonfinite, trainer.max_skipped_steps, self.checkpoints.latest),
+            nonfinite=NonfinitePolicy(
+                trainer_section.nonfinite, trainer_section.max_skipped_steps, self.checkpoints.latest
+            ),
             flops_per_item=family.flops_per_item(family.architecture(config.model.fields), data),
-            peak_flops=None if trainer.peak_tflops is None else trainer.peak_tflops * 1e12,
+            peak_flops=None if trainer_section.peak_tflops is None else trainer_section.peak_tflops * 1e12,
             parameters=self.prepared.parameters,
             stops=stops,
         )
@@ -190,8 +192,8 @@ class Trainer:
             logger.write(f"{config.rerouted} (trainer.single_rank_fast_path)")
         for notice in config.notices:
             logger.write(notice)
-        if self.prepared.saved_layout is not None:
-            saved, now = self.prepared.saved_layout.describe(), self.prepared.layout.describe()
+        if self.prepared.saved_manifest is not None:
+            saved, now = self.prepared.saved_manifest.describe(), self.prepared.manifest.describe()
             if self.prepared.reshape:
                 logger.write(f"resumed through a universal checkpoint: saved on {saved}, now {now}")
             elif saved != now:

@@ -1,5 +1,5 @@
 """model.activation_checkpointing: which activations a model recomputes in the backward pass instead
-of keeping them, and where it keeps those it still must. The families apply it (models/common.py,
+of keeping them, and where it keeps those it still must. The families apply it (here for the decoders,
 models/resnet.py), the planner counts it (engine/plan/) and `plan --suggest` tries it in `SUGGESTED`
 order.
 
@@ -126,3 +126,29 @@ def _checkpointed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     if module.training and torch.is_grad_enabled():
         return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
     return forward(module, *args, **kwargs)
+
+
+# A decoder block's attention module: Llama's `self_attn`, GPT-2's `attn`.
+_ATTENTION_NAMES = ("self_attn", "attn")
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, choice: Checkpointing = EVERY_BLOCK) -> None:
+    """Recompute in a transformers decoder's (GPT's, Llama's) backward pass what `choice` names
+    instead of keeping its activations, without renaming any parameter.
+
+    Whole blocks: transformers' own switch, non-reentrant (it works with inputs that do not require
+    grad, token ids, and with DeepSpeed's ZeRO hooks), then the per-block flag and checkpoint function
+    that transformers' GradientCheckpointingLayer documents, for every k-th block and for offloading.
+    Attention only: each block's attention module recomputes on its own (`checkpoint_forward`).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if choice.attention:
+        for block in blocks:
+            checkpoint_forward(next(child for name, child in block.named_children() if name in _ATTENTION_NAMES))
+        return
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for index, block in enumerate(blocks):
+        block.gradient_checkpointing = choice.recomputes(index)
+        block._gradient_checkpointing_func = checkpoint_function(choice.offload)

@@ -10,6 +10,7 @@ input and its weights, each as costly as the forward product.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from models.checkpointing import Checkpointing
+from models.tile_sizes import AUTO_LOSS, tiled_loss_pieces, tiled_mlp_pieces
 
 FLOPS_PER_MAC = 2
 TRAINING_PASSES = 3  # forward, then backward's input gradient and weight gradient
@@ -93,6 +95,7 @@ class PlanShape:
     micro_batch: int
     element: int  # bytes per activation element at the run's compute precision
     sequence: int = 1  # sequence-parallel degree
+    whole_head: bool = True  # the head's weight whole on the rank (not ZeRO-3's, FSDP's or split by tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -116,3 +119,95 @@ class ActivationEstimate:
     hidden: int
     boundaries: list[int]
     attention_width: int = 0
+
+
+def keeps_scores(arch: Mapping[str, Any]) -> bool:
+    """Whether a decoder's attention keeps its (heads x seq x seq) scores for backward: the eager
+    attention does; SDPA runs a flash or memory-efficient kernel that keeps the log-sum-exp instead
+    (CPU's flash kernel even with a mask), except with attention dropout, which CPU's kernels leave to
+    the math kernel (CUDA's flash kernel does not: there the plan counts scores it need not)."""
+    return arch["attn_implementation"] == "eager" or arch["dropout"] > 0
+
+
+def decoder_activations(
+    shape: PlanShape,
+    hidden: int,
+    vocab: int,
+    layer_factor: Callable[[int], float],
+    mlp_factor: Callable[[int], float],
+    attention_width: int,
+    attention_factor: Callable[[int], float],
+) -> ActivationEstimate:
+    """The planner's activation estimate for a decoder of width `hidden`: one transformer layer
+    keeps tokens * hidden * `layer_factor(tensor)` bytes at 2 bytes per element and tensor-parallel
+    degree `tensor` (Korthikanti et al. 2022, arXiv:2205.05198, without Megatron's sequence
+    parallelism), scaled to the training dtype. A layer recomputed whole (`Checkpointing`) keeps only
+    its input (one hidden state per token), in host memory where it offloads, and one such layer is
+    recomputed at a time (on top of the others' only where the last layer is one of them); under
+    attention-only recompute each attention module, `attention_factor(tensor)` of the layer's per
+    token with its input, keeps only that input, and one recomputes at a time. The last stage adds
+    what the loss holds. Every stage boundary and tensor-parallel
+    all-reduce moves one hidden state of the micro-batch's tokens.
+
+    Under Ulysses (`shape.sequence` ranks) a rank holds seq_len / SP tokens of each sequence outside
+    attention and, inside it, the whole sequence for heads / SP of the heads: as many elements of
+    query, keys, values and output, so `tokens` is the rank's slice and `layer_factor` counts the
+    attention scores of the whole sequence per token of it. model.tiled_mlp: the MLP keeps only its
+    input (counted among the layer's whole tensors); its intermediate activations, `mlp_factor(tensor)`
+    of the layer's per token, exist for one piece (`tiled_mlp_pieces`) of one layer at a time, while
+    that piece is recomputed in the backward pass.
+
+    The peak comes at the start of a backward pass: every layer's saved activations, plus the larger
+    of what the loss holds then and one layer's gradients in flight (as large as its activations).
+    The loss, measured on CPU (docs/benchmarks.md, memory-walls): "full" holds three fp32 tensors of
+    the micro-batch's logits (the logits, their log-softmax and its gradient); "tiled" three of one
+    piece (`tiled_loss_pieces`), computed again in backward; "fused" two of one piece (logits and
+    softmax) and the hidden states' gradient, kept from the forward; "auto" is "fused" where the
+    head is whole and the logits span more than one piece (models/tiling.py `auto_is_fused`)."""
+    slice_length = shape.data["seq_len"] // shape.sequence
+    tokens = slice_length * shape.micro_batch
+
+    def bytes_of(count: int, factor: float) -> int:
+        return int(count * hidden * factor * shape.element / 2)
+
+    layer, recomputed = bytes_of(tokens, layer_factor(shape.tensor)), 0
+    if shape.section.get("tiled_mlp", False):
+        piece = math.ceil(tokens / tiled_mlp_pieces(slice_length, hidden))
+        layer -= bytes_of(tokens, mlp_factor(shape.tensor))
+        recomputed = bytes_of(piece, mlp_factor(shape.tensor))
+    loss_bytes = _loss_bytes(shape, tokens, hidden, vocab)
+
+    # One hidden state per token: a layer's input, and its attention module's.
+    block_input = tokens * hidden * shape.element
+    attention_internals = bytes_of(tokens, attention_factor(shape.tensor)) - block_input
+
+    def stage_bytes(stage: int, layers: int, checkpointing: Checkpointing) -> int:
+        whole = checkpointing.recomputed(layers)
+        kept = (layers - whole) * layer + recomputed if layers else 0
+        if whole:
+            kept += 0 if checkpointing.offload else whole * block_input
+            # The last block runs its backward first; any after the last recomputed one have
+            # freed theirs by the time it is recomputed.
+            if checkpointing.recomputes(layers - 1):
+                kept += layer
+        if checkpointing.attention and layers:
+            kept -= (layers - 1) * attention_internals
+        in_flight = layer if layers else 0
+        return kept + max(in_flight, loss_bytes if stage == shape.stages - 1 else 0)
+
+    return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1), attention_width)
+
+
+def _loss_bytes(shape: PlanShape, tokens: int, hidden: int, vocab: int) -> int:
+    """What model.loss holds at the start of the backward pass, on one rank (see `decoder_activations`)."""
+    loss = shape.section.get("loss", AUTO_LOSS)
+    pieces = tiled_loss_pieces(tokens, vocab)
+    if loss == AUTO_LOSS:
+        loss = "fused" if shape.whole_head and shape.tensor == 1 and shape.stages == 1 and pieces > 1 else "full"
+    if loss == "fused" and not (shape.whole_head and shape.tensor == 1):
+        loss = "tiled"
+    logits = 4 * tokens * vocab // shape.tensor
+    if loss == "full":
+        return 3 * logits
+    piece = math.ceil(logits / pieces)
+    return 3 * piece if loss == "tiled" else 2 * piece + tokens * hidden * shape.element

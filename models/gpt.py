@@ -13,11 +13,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from models import common
-from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
-from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
-from models.tensor_parallel import TensorParallelPlan
+from models import checkpointing, decoder_pipeline, loss
+from models.attention import transformers_attention
+from models.costs import (
+    FLOPS_PER_MAC,
+    TRAINING_PASSES,
+    ActivationEstimate,
+    PlanShape,
+    decoder_activations,
+    keeps_scores,
+)
+from models.decoder_pipeline import positions_and_mask, tied_embedding_layers
+from models.decoder_section import (
+    TOKEN_DATA_TYPES,
+    decoder_architecture,
+    decoder_schema,
+    sequence_issues,
+    settled_vocabulary,
+)
+from models.hf_checkpoint import HFCheckpoint, pretrained_values, refuse_unbuildable
+from models.presets import AUTO
 from models.tiling import apply_tiling
+from parallelism.tensor import TensorParallelPlan
 
 if TYPE_CHECKING:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -63,7 +80,7 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
         "minimum": 1,
         "description": "Longest sequence the position table covers (overrides the preset).",
     },
-    **common.decoder_schema(
+    **decoder_schema(
         "The GPT-2 presets' parameter counts assume GPT-2's 50257 tokens: with another tokenizer, set 50257 (or "
         "50304, padded as nanoGPT pads it) for a model of the preset's size.",
         "Dropout on embeddings, attention and residuals.",
@@ -74,7 +91,7 @@ USES_VOCABULARY = SUGGESTS_CHECKPOINTING = True
 
 
 def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
-    return common.decoder_architecture("gpt", PRESETS, section)
+    return decoder_architecture("gpt", PRESETS, section)
 
 
 def hidden_size(arch: Mapping[str, Any]) -> int:
@@ -88,7 +105,7 @@ def context_length(arch: Mapping[str, Any]) -> int:
 def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
     from transformers import GPT2Config
 
-    vocab_size = common.settled_vocabulary(arch)
+    vocab_size = settled_vocabulary(arch)
     # GPT-2's <|endoftext|> (id 50256) ends generation only in a vocabulary that holds it. In a
     # character or byte vocabulary every id is a real character, which would stop `generate` mid-text
     # wherever it was sampled, so there the exported model names no end token at all.
@@ -106,7 +123,7 @@ def gpt2_config(arch: Mapping[str, Any]) -> GPT2Config:
         bos_token_id=end_of_text,
         eos_token_id=end_of_text,
         tie_word_embeddings=True,
-        attn_implementation=common.transformers_attention(arch["attn_implementation"]),
+        attn_implementation=transformers_attention(arch["attn_implementation"]),
     )
 
 
@@ -151,13 +168,14 @@ def pretrained_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
     importing transformers; ValueError naming what this family cannot build from it."""
     if saved.get("model_type") != "gpt2":
         raise ValueError(f"holds a {saved.get('model_type')!r} checkpoint, not a GPT-2 one")
-    common.refuse_unbuildable(saved, BUILT_AS)
-    return common.pretrained_values(saved, ARCHITECTURE_FIELDS)
+    refuse_unbuildable(saved, BUILT_AS)
+    return pretrained_values(saved, ARCHITECTURE_FIELDS)
 
 
-# Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
-compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
-apply_activation_checkpointing = common.apply_activation_checkpointing
+# Loss, evaluation and activation checkpointing are the causal-LM ones (models/loss.py,
+# models/checkpointing.py).
+compute_loss, eval_sums, summarize_eval = loss.compute_loss, loss.eval_sums, loss.summarize_eval
+apply_activation_checkpointing = checkpointing.apply_activation_checkpointing
 
 
 # -- Config checks, FLOPs and the planner's estimates ------------------------------------------
@@ -173,7 +191,7 @@ def config_issues(
             "model.n_head",
             f"{arch['n_head']} heads do not divide n_embd {arch['n_embd']}; pick a head count that divides the width",
         )
-    yield from common.sequence_issues(data, arch["n_positions"], "n_positions")
+    yield from sequence_issues(data, arch["n_positions"], "n_positions")
 
 
 def items_per_sample(data: Mapping[str, Any]) -> int:
@@ -219,26 +237,34 @@ def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
 
 
 def plan_activations(shape: PlanShape) -> ActivationEstimate:
-    """Activations by formula: per transformer layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 2
-    bytes per element (Korthikanti et al. 2022, eq. 2 with tensor parallelism), as
-    `common.decoder_activations` scales and sums them. The MLP's part, which model.tiled_mlp holds
-    for one piece at a time, is the GELU's input and output (16/t) and its dropout mask (1); the attention
-    module's, which attention-only recompute drops but for its input, is that input (2), the query, key,
-    value and output projection's input (8/t), its dropout mask (1) and the scores (5*a*s/(h*t))."""
+    """Activations by formula: what transformers' GPT2Block saves for backward (walked in its autograd
+    graph on CPU), in Korthikanti et al.'s units (arXiv:2205.05198: 2-byte elements per token of
+    width h) at tensor-parallel degree t. Kept whole: the two LayerNorms' inputs and outputs (8), and
+    with dropout the two residual dropout masks (4, in the activations' dtype as CPU's dropout keeps
+    them). Split: the query, key and value and SDPA's output, which is the output projection's input
+    (8/t), and the MLP's part, which model.tiled_mlp holds for one piece at a time: GPT-2's tanh GELU
+    ("gelu_new", written out in PyTorch) keeps five tensors as wide as the MLP, one of them the down
+    projection's input (40/t). The attention scores only where the attention keeps them
+    (`keeps_scores`): the softmax, and with dropout its mask and output (2 or 6 * a*s/(h*t)). The
+    attention module's part, which attention-only recompute drops but for its input, is that input
+    (2), its dropout mask, the query, key, value and output (8/t) and any scores."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["n_embd"], arch["n_head"], shape.data["seq_len"]
+    dropout = arch["dropout"] > 0
+    scores = (6 if dropout else 2) * heads * seq_len / hidden if keeps_scores(arch) else 0
+    masks = 2 if dropout else 0
 
     def layer_factor(tensor: int) -> float:
-        return 10 + 24 / tensor + 5 * heads * seq_len / (hidden * tensor)
+        return 8 + 2 * masks + (8 + 40 + scores) / tensor
 
     def mlp_factor(tensor: int) -> float:
-        return 16 / tensor + 1
+        return 40 / tensor
 
     def attention_factor(tensor: int) -> float:
-        return 3 + 8 / tensor + 5 * heads * seq_len / (hidden * tensor)
+        return 2 + masks + (8 + scores) / tensor
 
     # Ulysses moves the query, key, value and attention output, each as wide as the model.
-    return common.decoder_activations(
+    return decoder_activations(
         shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden, attention_factor
     )
 
@@ -290,7 +316,7 @@ class GPT2BlockPipe(nn.Module):
         self.block, self.config = block, config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        _, mask = common.positions_and_mask(self.config, hidden)
+        _, mask = positions_and_mask(self.config, hidden)
         return self.block(hidden, None, mask)
 
 
@@ -299,7 +325,7 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
     (tied to the head, so DeepSpeed keeps the two copies equal across stages), positions, the
     blocks, the final norm and the head."""
     transformer = model.transformer
-    embedding, head = common.tied_embedding_layers("wte", transformer.wte)
+    embedding, head = tied_embedding_layers("wte", transformer.wte)
     return [
         embedding,
         _PositionEmbedding(transformer.wpe, transformer.drop),
@@ -309,6 +335,6 @@ def pipeline_layers(model: GPT2LMHeadModel) -> list:
     ]
 
 
-# A stage's batch, loss and evaluation sums: the causal-LM ones (models/common.py).
-pipeline_batch, pipeline_loss = common.pipeline_batch, common.pipeline_loss
-pipeline_eval_sums, EVAL_SUMS = common.pipeline_eval_sums, common.EVAL_SUMS
+# A stage's batch, loss and evaluation sums: the causal-LM ones (models/decoder_pipeline.py).
+pipeline_batch, pipeline_loss = decoder_pipeline.pipeline_batch, decoder_pipeline.pipeline_loss
+pipeline_eval_sums, EVAL_SUMS = decoder_pipeline.pipeline_eval_sums, loss.EVAL_SUMS

@@ -17,12 +17,29 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from models import common
-from models.common import AUTO, TOKEN_DATA_TYPES, HFCheckpoint
-from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, ActivationEstimate, PlanShape
+from models import checkpointing, decoder_pipeline, loss
+from models.attention import transformers_attention
+from models.costs import (
+    FLOPS_PER_MAC,
+    TRAINING_PASSES,
+    ActivationEstimate,
+    PlanShape,
+    decoder_activations,
+    keeps_scores,
+)
+from models.decoder_pipeline import positions_and_mask, tied_embedding_layers
+from models.decoder_section import (
+    TOKEN_DATA_TYPES,
+    decoder_architecture,
+    decoder_schema,
+    sequence_issues,
+    settled_vocabulary,
+)
+from models.hf_checkpoint import HFCheckpoint, pretrained_values, refuse_unbuildable
 from models.kernels import apply_kernels
-from models.tensor_parallel import TensorParallelPlan
+from models.presets import AUTO, setting
 from models.tiling import apply_tiling
+from parallelism.tensor import TensorParallelPlan
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedConfig
@@ -139,7 +156,7 @@ CHECKPOINTS: Mapping[str, HFCheckpoint] = {
 
 
 def _checkpoint(section: Mapping[str, Any]) -> HFCheckpoint:
-    return CHECKPOINTS[common.setting(section, "architecture", DEFAULT_ARCHITECTURE)]
+    return CHECKPOINTS[setting(section, "architecture", DEFAULT_ARCHITECTURE)]
 
 
 def build(section: Mapping[str, Any]) -> nn.Module:
@@ -170,7 +187,7 @@ def pretrained_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
     name = saved.get("model_type")
     if name not in _CLASSES:
         raise ValueError(f"holds a {name!r} checkpoint, not a Llama one ({', '.join(ARCHITECTURES)})")
-    fields = common.pretrained_values(
+    fields = pretrained_values(
         saved,
         (
             "hidden_size",
@@ -183,7 +200,7 @@ def pretrained_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
     )
     width = fields["hidden_size"] // fields["num_attention_heads"]
     head_dim = {"head_dim": width} if name in _HEAD_DIM else {}
-    common.refuse_unbuildable({**saved, "head_dim": saved.get("head_dim") or width}, {**head_dim, **BUILT_AS[name]})
+    refuse_unbuildable({**saved, "head_dim": saved.get("head_dim") or width}, {**head_dim, **BUILT_AS[name]})
     defaults = PRETRAINED_DEFAULTS[name]
 
     def given(key: str) -> Any:
@@ -223,9 +240,10 @@ def load_export(path: Path) -> nn.Module:
     return CHECKPOINTS[model_type].load_export(path)
 
 
-# Loss, evaluation and activation checkpointing are the causal-LM ones (models/common.py).
-compute_loss, eval_sums, summarize_eval = common.compute_loss, common.eval_sums, common.summarize_eval
-apply_activation_checkpointing = common.apply_activation_checkpointing
+# Loss, evaluation and activation checkpointing are the causal-LM ones (models/loss.py,
+# models/checkpointing.py).
+compute_loss, eval_sums, summarize_eval = loss.compute_loss, loss.eval_sums, loss.summarize_eval
+apply_activation_checkpointing = checkpointing.apply_activation_checkpointing
 # Trained on token samples, `data.seq_len` of them each; the vocabulary comes from the tokenizer.
 DATA_TYPES, SAMPLES, THROUGHPUT_KEY = TOKEN_DATA_TYPES, "tokens", "tokens_per_s"
 USES_VOCABULARY = SUGGESTS_CHECKPOINTING = True
@@ -286,11 +304,11 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
         "enum": ["none", "liger"],
         "description": '"liger": Liger-Kernel\'s fused Triton kernels for RMSNorm, the SwiGLU MLP and the rotary '
         "embedding in place of transformers' (picked by the architecture: Llama, Qwen2, Mistral), on CUDA with "
-        'liger-kernel installed (optional: `pip install liger-kernel`); refused on CPU. The loss is model.loss\'s: '
+        "liger-kernel installed (optional: `pip install liger-kernel`); refused on CPU. The loss is model.loss's: "
         '"fused" is Liger\'s fused linear cross-entropy there.',
         "default": "none",
     },
-    **common.decoder_schema(
+    **decoder_schema(
         "The 1B and 8B presets assume Llama 3's 128256 tokens; the head splits as the embedding does.",
         "Dropout on the attention weights (Llama's only dropout, attention_dropout).",
     ),
@@ -299,8 +317,8 @@ MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
 
 def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
     return {
-        **common.decoder_architecture("llama", PRESETS, section),
-        "architecture": common.setting(section, "architecture", DEFAULT_ARCHITECTURE),
+        **decoder_architecture("llama", PRESETS, section),
+        "architecture": setting(section, "architecture", DEFAULT_ARCHITECTURE),
         "sliding_window": section.get("sliding_window"),
     }
 
@@ -318,7 +336,7 @@ def llama_config(arch: Mapping[str, Any]) -> PreTrainedConfig:
     rope = {**(arch["rope_scaling"] or {"rope_type": "default"}), "rope_theta": float(arch["rope_theta"])}
     return getattr(transformers, _CLASSES[name][0])(
         **own,
-        vocab_size=common.settled_vocabulary(arch),
+        vocab_size=settled_vocabulary(arch),
         hidden_size=arch["hidden_size"],
         intermediate_size=arch["intermediate_size"],
         num_hidden_layers=arch["num_hidden_layers"],
@@ -335,7 +353,7 @@ def llama_config(arch: Mapping[str, Any]) -> PreTrainedConfig:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        attn_implementation=common.transformers_attention(arch["attn_implementation"]),
+        attn_implementation=transformers_attention(arch["attn_implementation"]),
     )
 
 
@@ -368,7 +386,7 @@ def config_issues(
             "an equal group of query heads",
         )
     yield from _sliding_window_issues(arch, data)
-    yield from common.sequence_issues(data, arch["max_position_embeddings"], "max_position_embeddings")
+    yield from sequence_issues(data, arch["max_position_embeddings"], "max_position_embeddings")
 
 
 def _sliding_window_issues(arch: Mapping[str, Any], data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -438,34 +456,38 @@ def flops_per_item(arch: Mapping[str, Any], data: Mapping[str, Any]) -> int:
 
 
 def plan_activations(shape: PlanShape) -> ActivationEstimate:
-    """Activations by formula, Korthikanti et al.'s count (arXiv:2205.05198, eq. 2) redone for this
-    layer, in 2-byte elements per token of width h at tensor-parallel degree t: kept whole on every
-    rank, the two RMSNorm inputs and the inputs of the q/k/v and gate/up projections (8h); split,
-    the query (2h) and the key and value (4 * kv width) after rotation, the input of the output
-    projection (2h), the gate output, its SiLU, the up output and their product (8 * intermediate:
-    the MLP's part, which model.tiled_mlp holds for one piece at a time), and the attention scores,
-    softmax and dropout mask (5 * heads * seq_len); there is no residual dropout. Under sequence
-    parallelism DeepSpeed repeats each key/value head over SP / kv ranks where there are fewer than
-    SP of them, so a rank's keys and values are as wide as max(kv, SP) heads per token of its slice.
-    The attention module's part, which attention-only recompute drops but for its input, is that input
-    (2), the query, keys, values and output projection's input, and the scores.
-    `common.decoder_activations` scales and sums them."""
+    """Activations by formula: what transformers' LlamaDecoderLayer saves for backward (walked in its
+    autograd graph at fp32 and bf16 on CPU), in Korthikanti et al.'s units (arXiv:2205.05198: 2-byte
+    elements per token of width h) at tensor-parallel degree t. Kept whole on every rank: each of the
+    two RMSNorms keeps its input in fp32 (a copy under bf16), the normalised states and its output,
+    which the q/k/v (or gate/up) projections share: 8 + 16 / (bytes per element). Split: the query
+    (2h) and the key and value (4 * kv width) after rotation, SDPA's output, which is the output
+    projection's input (2h), and the gate output, its SiLU, the up output and their product
+    (8 * intermediate: the MLP's part, which model.tiled_mlp holds for one piece at a time). The
+    attention scores, softmax and dropout mask (5 * heads * seq_len) only where the attention keeps
+    them (`keeps_scores`). Under sequence parallelism DeepSpeed repeats each key/value head over
+    SP / kv ranks where there are fewer than SP of them, so a rank's keys and values are as wide as
+    max(kv, SP) heads per token of its slice. The attention module's part, which attention-only
+    recompute drops but for its input, is that input (2), the query, keys, values and output, and
+    any scores. `decoder_activations` scales and sums them."""
     arch = architecture(shape.section)
     hidden, heads, seq_len = arch["hidden_size"], arch["num_attention_heads"], shape.data["seq_len"]
     kv_width = max(arch["num_key_value_heads"], shape.sequence) * (hidden // heads)
     mlp = 8 * arch["intermediate_size"]
-    split = 4 * hidden + 4 * kv_width + mlp
+    scores = 5 * heads * seq_len if keeps_scores(arch) else 0
+    whole = 8 + 16 / shape.element
+    attention = 4 * hidden + 4 * kv_width + scores
 
     def layer_factor(tensor: int) -> float:
-        return 8 + split / (hidden * tensor) + 5 * heads * seq_len / (hidden * tensor)
+        return whole + (attention + mlp) / (hidden * tensor)
 
     def mlp_factor(tensor: int) -> float:
         return mlp / (hidden * tensor)
 
     def attention_factor(tensor: int) -> float:
-        return 2 + (4 * hidden + 4 * kv_width + 5 * heads * seq_len) / (hidden * tensor)
+        return 2 + attention / (hidden * tensor)
 
-    return common.decoder_activations(
+    return decoder_activations(
         shape,
         hidden,
         shape.section.get("vocab_size"),
@@ -521,7 +543,7 @@ class LlamaDecoderLayerPipe(nn.Module):
         self.layer, self.rotary, self.config = layer, rotary, config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions, mask = common.positions_and_mask(self.config, hidden)
+        positions, mask = positions_and_mask(self.config, hidden)
         rotation = self.rotary(hidden, positions)
         return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotation)
 
@@ -533,7 +555,7 @@ def pipeline_layers(model: LlamaForCausalLM) -> list:
     decoder = model.model
     layers = [LlamaDecoderLayerPipe(layer, decoder.rotary_emb, model.config) for layer in decoder.layers]
     if model.config.tie_word_embeddings:
-        embedding, head = common.tied_embedding_layers("embed_tokens", decoder.embed_tokens)
+        embedding, head = tied_embedding_layers("embed_tokens", decoder.embed_tokens)
     else:
         embedding, head = decoder.embed_tokens, model.lm_head
     return [embedding, *layers, decoder.norm, head]
@@ -544,6 +566,6 @@ def shard_units(model: LlamaForCausalLM) -> list[nn.Module]:
     return list(model.model.layers)
 
 
-# A stage's batch, loss and evaluation sums: the causal-LM ones (models/common.py).
-pipeline_batch, pipeline_loss = common.pipeline_batch, common.pipeline_loss
-pipeline_eval_sums, EVAL_SUMS = common.pipeline_eval_sums, common.EVAL_SUMS
+# A stage's batch, loss and evaluation sums: the causal-LM ones (models/decoder_pipeline.py).
+pipeline_batch, pipeline_loss = decoder_pipeline.pipeline_batch, decoder_pipeline.pipeline_loss
+pipeline_eval_sums, EVAL_SUMS = decoder_pipeline.pipeline_eval_sums, loss.EVAL_SUMS

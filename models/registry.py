@@ -18,7 +18,7 @@ import torch
 
 from models import gpt, llama, resnet
 from models.costs import ActivationEstimate, PlanShape
-from models.tensor_parallel import TensorParallelPlan
+from parallelism.tensor import TensorParallelPlan
 
 Batch = Mapping[str, torch.Tensor]
 

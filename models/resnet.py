@@ -22,7 +22,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from models.checkpointing import EVERY_BLOCK, Checkpointing, checkpoint_function
-from models.common import AUTO, IGNORE_INDEX, check_state_dict, merge_preset, setting
 from models.costs import (
     FLOPS_PER_MAC,
     TRAINING_PASSES,
@@ -31,6 +30,9 @@ from models.costs import (
     forward_macs,
     module_output_bytes,
 )
+from models.loss import IGNORE_INDEX
+from models.module_state import check_state_dict
+from models.presets import AUTO, merge_preset, setting
 
 IMPLEMENTATIONS = ("torchvision", "transformers")
 # torchvision initialises its ResNet in the constructor, after its submodules exist: under

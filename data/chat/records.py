@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import datasets
-import pyarrow
+from typing import TYPE_CHECKING, Any
 
 from data.tokens.corpus import ROW_SUFFIXES, SAVED_DATASET_MARKERS, VALIDATION_SPLITS, is_saved_dataset
+
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` (and pandas, pyarrow under it) is imported where rows are read: the config's checks import
+# this module through the data kinds, and a launch's pre-flight must not pay for it.
 
 ROLES = ("system", "user", "assistant", "tool")
 ROWS_PER_BATCH = 1024
@@ -82,6 +85,9 @@ def open_records(paths: Sequence[Path], scratch: Path) -> dict[str, list[RecordF
 def _read_file(path: Path, scratch: Path) -> RecordFile:
     if path.stat().st_size == 0:
         raise ValueError(f"data.path: {path} is empty")
+    import datasets
+    import pyarrow
+
     builder = ROW_SUFFIXES[path.suffix.lower()]
     try:
         rows = datasets.load_dataset(builder, data_files=[str(path)], split="train", cache_dir=str(scratch))
@@ -94,6 +100,8 @@ def _read_file(path: Path, scratch: Path) -> RecordFile:
 
 
 def _saved_dataset(directory: Path) -> dict[str, list[RecordFile]]:
+    import datasets
+
     try:
         saved = datasets.load_from_disk(str(directory))
     except FileNotFoundError as error:

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from data.tokens.files import PreparedCorpus
-from models.common import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 
 PAD_MULTIPLE = 8
 """Micro-batches of single conversations are padded to a multiple of this many tokens: shapes that

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from data.bundle import DataBundle
 from data.image import FolderImages, ImageDataset, TensorImages, load_image_datasets
 from data.kinds.common import BuildRequest, Footprint, NothingToPrepare, first_sample_bytes
+
+if TYPE_CHECKING:
+    import datasets
 
 GIVES = ("images",)
 PATH_NEEDED = "an imagefolder or cifar-10-batches-py directory"

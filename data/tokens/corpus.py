@@ -17,9 +17,13 @@ import io
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
-import pyarrow
+if TYPE_CHECKING:
+    import datasets
+
+# `datasets` (and pandas, pyarrow under it) is imported where rows are read: the config's checks import
+# this module through the data kinds, and a launch's pre-flight must not pay for it.
 
 BLOCK_BYTES = 1 << 22
 """A .txt file is read 4 MiB at a time: large enough that per-block overheads vanish."""
@@ -76,6 +80,9 @@ def open_corpus(paths: Sequence[Path], text_field: str, scratch: Path) -> Corpus
             {"train": sum(path.stat().st_size for path in files)},
             "B",
         )
+    import datasets
+    import pyarrow
+
     builder = ROW_SUFFIXES[files[0].suffix.lower()]
     try:
         rows = datasets.load_dataset(
@@ -144,6 +151,8 @@ def is_saved_dataset(directory: Path) -> bool:
 
 
 def _saved_dataset(directory: Path, text_field: str) -> Corpus:
+    import datasets
+
     try:
         saved = datasets.load_from_disk(str(directory))
     except FileNotFoundError as error:

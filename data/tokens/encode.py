@@ -79,7 +79,7 @@ def write_splits(
             disable=None,  # a bar on a terminal; a launch's rank logs get the summary line alone
         ) as bar:
             try:
-                batches = _batches(documents(), cut=isinstance(tokenizer, HFTokenizer))
+                batches = piece_batches(documents(), cut=isinstance(tokenizer, HFTokenizer))
                 work_done += _write_split(batches, writer, encode, tokenizer.eos_id, bar, by_rows=corpus.unit == "rows")
             except BaseException:
                 writer.abandon()
@@ -98,7 +98,7 @@ Encode = Callable[[list[str]], list[np.ndarray]]
 
 
 def _write_split(
-    batches: Iterator[_Batch], writer: SplitWriter, encode: Encode, eos: int | None, bar: tqdm, *, by_rows: bool
+    batches: Iterator[PieceBatch], writer: SplitWriter, encode: Encode, eos: int | None, bar: tqdm, *, by_rows: bool
 ) -> int:
     """Encode and write `batches` in order; returns the work done (rows, or characters of text).
 
@@ -106,7 +106,7 @@ def _write_split(
     batched call leaves the GIL while its Rust threads work, so the cutting costs no time."""
     done = 0
     with ThreadPoolExecutor(max_workers=1) as encoder:
-        pending: tuple[_Batch, Future] | None = None
+        pending: tuple[PieceBatch, Future] | None = None
         for batch in itertools.chain(batches, [None]):
             submitted = None if batch is None else (batch, encoder.submit(encode, batch.pieces))
             if pending is not None:
@@ -122,7 +122,7 @@ def _write_split(
     return done
 
 
-class _Batch:
+class PieceBatch:
     """Consecutive pieces of text, each marked by whether it opens a document."""
 
     def __init__(self) -> None:
@@ -154,9 +154,10 @@ class _Batch:
         return np.concatenate(parts), starts
 
 
-def _batches(documents: Iterator[Document], *, cut: bool) -> Iterator[_Batch]:
-    """Pieces gathered into batches of about HF_BATCH_CHARS; batches may span documents."""
-    batch = _Batch()
+def piece_batches(documents: Iterator[Document], *, cut: bool) -> Iterator[PieceBatch]:
+    """Pieces gathered into batches of about HF_BATCH_CHARS; batches may span documents. Public so
+    that bench/data_preparation.py times a tokenizer alone on the very batches the engine encodes."""
+    batch = PieceBatch()
     for document in documents:
         opens = True
         for piece in _pieces(document, cut=cut):
@@ -164,7 +165,7 @@ def _batches(documents: Iterator[Document], *, cut: bool) -> Iterator[_Batch]:
             opens = False
             if batch.chars >= HF_BATCH_CHARS:
                 yield batch
-                batch = _Batch()
+                batch = PieceBatch()
         if opens:  # a document with no text still counts, and still gets its separator
             batch.add("", True)
     if batch.pieces:

@@ -52,7 +52,7 @@ from engine.checkpoints.universal import canonical_names, save_names
 from engine.observability.memory import ModelStateTensors, StepWatch, optimizer_state_tensors
 from engine.parallel.consolidate import tensor_names
 from models import ModelFamily
-from models.common import persistent_buffers
+from models.module_state import persistent_buffers
 
 
 def local_parameter_elements(model: torch.nn.Module) -> int:
@@ -78,7 +78,7 @@ class AccelerateBackend(Backend):
             for unit in family.shard_units(model):
                 unit.compile()
             if hasattr(model, "loss_function"):
-                # transformers' loss, which the model computes in its forward (models/common.py
+                # transformers' loss, which the model computes in its forward (models/loss.py
                 # compute_loss): compiled, its fp32 upcast and cross-entropy fuse instead of
                 # writing fp32 logits.
                 model.loss_function = torch.compile(model.loss_function)

@@ -231,7 +231,7 @@ class Backend(ABC):
 
     @abstractmethod
     def local_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's persistent buffers by its own names (`models.common.persistent_buffers`)."""
+        """This rank's persistent buffers by its own names (`models.module_state.persistent_buffers`)."""
 
     @abstractmethod
     def load_universal(self, tag_dir: Path) -> dict[str, Any]:

@@ -56,7 +56,7 @@ from engine.parallel.consolidate import (
     tensor_names,
 )
 from engine.parallel.sequence import SequenceShards
-from models.common import persistent_buffers
+from models.module_state import persistent_buffers
 
 
 def fp32_grad_norm(

@@ -25,7 +25,7 @@ from engine.parallel.sequence import enable_ulysses
 from engine.parallel.zero3_init import partition_built, partitioned_build
 from models import ModelFamily
 from models.lora import apply_lora
-from models.tensor_parallel import apply_tensor_parallel
+from parallelism.tensor import apply_tensor_parallel
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

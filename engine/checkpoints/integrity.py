@@ -13,23 +13,23 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
-from engine.checkpoints.reshape import SavedLayout
+from engine.checkpoints.reshape import CheckpointManifest
 
 # DeepSpeed's per-rank optimizer partitions: zero_pp_rank_<data-parallel rank>_mp_rank_<model-parallel rank>.
 _PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def check_intact(tag_dir: Path, layout: SavedLayout | None, others: list[str]) -> None:
+def check_intact(tag_dir: Path, manifest: CheckpointManifest | None, others: list[str]) -> None:
     """Raise ValueError naming `trainer.resume` when a file of `tag_dir` is not a complete torch
-    archive, or when a data-parallel rank's optimizer partition is missing. `layout` is the saving
+    archive, or when a data-parallel rank's optimizer partition is missing. `manifest` is the saving
     run's record (engine.checkpoints.reshape); `others`, the checkpoint's published neighbours, are
     offered instead. Reads only the end of each file (a zip archive's directory), not the tensors."""
     damaged = [path for path in sorted(tag_dir.rglob("*.pt")) if not zipfile.is_zipfile(path)]
     problems = [f"{path.relative_to(tag_dir)} is not a complete torch.save archive" for path in damaged[:3]]
     if len(damaged) > 3:
         problems.append(f"and {len(damaged) - 3} more such files")
-    if layout is not None:
-        problems += _missing_partitions(tag_dir, layout.zero_ranks)
+    if manifest is not None:
+        problems += _missing_partitions(tag_dir, manifest.zero_ranks)
     if problems:
         instead = f"; resume from an earlier one ({', '.join(others)}) or" if others else ";"
         raise ValueError(

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from engine.checkpoints.from_torch import universal_from_torch, universal_from_zero0
-from engine.checkpoints.reshape import SavedLayout
+from engine.checkpoints.reshape import CheckpointManifest
 from engine.checkpoints.store import (
     CheckpointRef,
     checkpoint_root,
@@ -67,8 +67,8 @@ class _Pending(NamedTuple):
 class CheckpointManager:
     """Resumes a run from `source` (None: a fresh start) and saves it under `output_dir`.
 
-    `layout` is this run's saved-layout record (SavedLayout), written with every checkpoint; `saved_layout` the
-    one `source` was saved with; `reshape` whether the layouts differ so that the resume goes through
+    `manifest` is this run's record (CheckpointManifest), written with every checkpoint; `saved_manifest`
+    the one `source` was saved with; `reshape` whether the layouts differ so that the resume goes through
     DeepSpeed's universal form. `before_publish(step)` runs on every rank once its files of a save
     are written (a fault-injection point).
 
@@ -81,8 +81,8 @@ class CheckpointManager:
         self,
         output_dir: Path,
         source: CheckpointRef | None,
-        layout: SavedLayout,
-        saved_layout: SavedLayout | None,
+        manifest: CheckpointManifest,
+        saved_manifest: CheckpointManifest | None,
         reshape: bool,
         world_size: int,
         keep_last: int,
@@ -90,7 +90,7 @@ class CheckpointManager:
         background: bool = False,
     ):
         self.root = checkpoint_root(output_dir)
-        self.source, self.layout, self.saved_layout, self.reshape = source, layout, saved_layout, reshape
+        self.source, self.manifest, self.saved_manifest, self.reshape = source, manifest, saved_manifest, reshape
         self.world_size, self.keep_last, self.before_publish = world_size, keep_last, before_publish
         self.background = background
         self.last_save_s: float | None = None
@@ -108,9 +108,9 @@ class CheckpointManager:
         tag_dir = self.source.path
         if is_main_process() and not (tag_dir / UNIVERSAL_FOLDER).is_dir():
             print(f"converting {tag_dir} to a DeepSpeed universal checkpoint for this layout", flush=True)
-            if self.saved_layout.backend == "accelerate":
+            if self.saved_manifest.backend == "accelerate":
                 universal_from_torch(tag_dir, train_batch_size)
-            elif self.saved_layout.zero_stage == 0:
+            elif self.saved_manifest.zero_stage == 0:
                 universal_from_zero0(tag_dir)
             else:
                 convert_to_universal(tag_dir)
@@ -143,7 +143,7 @@ class CheckpointManager:
             lambda root, tag: backend.save(root, tag, {"step": step, "world_size": self.world_size}),
             self.root,
             step,
-            layout=self.layout,
+            manifest=self.manifest,
             buffers=backend.local_buffers(),
             data_position=self._stream.state_dict() if self._stream is not None else None,
         )

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-LAYOUT_FILE = "layout.json"
+MANIFEST_FILE = "layout.json"
 NAMES_FOLDER = "names"  # every rank's parameter and buffer names (engine/checkpoints/universal.py)
 # Under NAMES_FOLDER: an fp32 ZeRO-0 checkpoint's optimizer parameters by position (from_torch.py).
 OPTIMIZER_ORDER = "optimizer_order.json"
@@ -32,7 +32,7 @@ class ReshapeError(ValueError):
 
 
 @dataclass(frozen=True)
-class SavedLayout:
+class CheckpointManifest:
     """What a checkpoint must know about the run that saved it to be resumed elsewhere (its
     `layout.json`; a run's own is written with each of its checkpoints). `tokenizer` is the
     tokenizer's fingerprint (text runs only); `train_samples` the size of the training set the data
@@ -69,11 +69,11 @@ class SavedLayout:
         return json.dumps(asdict(self), indent=1) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> SavedLayout:
+    def from_json(cls, text: str) -> CheckpointManifest:
         return cls.from_record(json.loads(text))
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> SavedLayout:
+    def from_record(cls, record: Mapping[str, Any]) -> CheckpointManifest:
         """A decoded `layout.json`; keys it does not know are ignored, and the ones a checkpoint
         saved before they were recorded lacks take what every run had then (`_OLDER_FILES`). Raises
         ValueError when one every layout.json has is missing."""
@@ -97,17 +97,17 @@ _OLDER_FILES: dict[str, Any] = {
 }
 
 
-def write_layout(tag_dir: Path, layout: SavedLayout) -> None:
-    (tag_dir / LAYOUT_FILE).write_text(layout.to_json())
+def write_manifest(tag_dir: Path, manifest: CheckpointManifest) -> None:
+    (tag_dir / MANIFEST_FILE).write_text(manifest.to_json())
 
 
-def read_layout(tag_dir: Path) -> SavedLayout | None:
-    """The saving run's layout; None for a checkpoint written before layouts were recorded."""
-    path = tag_dir / LAYOUT_FILE
+def read_manifest(tag_dir: Path) -> CheckpointManifest | None:
+    """The saving run's manifest; None for a checkpoint written before layouts were recorded."""
+    path = tag_dir / MANIFEST_FILE
     if not path.is_file():
         return None
     try:
-        return SavedLayout.from_json(path.read_text())
+        return CheckpointManifest.from_json(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"trainer.resume: {path} is damaged (not JSON: {error})") from None
     except ValueError as error:
@@ -123,10 +123,10 @@ _SETTINGS = {
     2: 'trainer.weight_decay_on "matrices" and the same nonzero optimizer.params.weight_decay',
 }
 
-Check = Callable[[SavedLayout, SavedLayout, Path], None]
+Check = Callable[[CheckpointManifest, CheckpointManifest, Path], None]
 
 
-def _way_out(saved: SavedLayout) -> str:
+def _way_out(saved: CheckpointManifest) -> str:
     return (
         f"Resume it on its own layout ({saved.describe()}) with trainer.export on, then start this layout "
         f"from the export with model.init_from=<that run's output_dir>/export (weights only: the optimizer "
@@ -134,13 +134,13 @@ def _way_out(saved: SavedLayout) -> str:
     )
 
 
-def _cannot_resume(saved: SavedLayout, current: SavedLayout, tag_dir: Path, why: str) -> ReshapeError:
+def _cannot_resume(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path, why: str) -> ReshapeError:
     return ReshapeError(
         f"trainer.resume: checkpoint {tag_dir} ({saved.describe()}) cannot be resumed on {current.describe()}: {why}"
     )
 
 
-def vocabulary_splits(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def vocabulary_splits(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     rows = saved.vocab_size
     if rows is not None and rows % current.tensor:
         raise ReshapeError(
@@ -150,7 +150,7 @@ def vocabulary_splits(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -
         )
 
 
-def same_vocabulary(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_vocabulary(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if saved.vocab_size != current.vocab_size:
         raise ReshapeError(
             f"model.vocab_size: checkpoint {tag_dir} has {saved.vocab_size} vocabulary rows, this run "
@@ -158,7 +158,7 @@ def same_vocabulary(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> 
         )
 
 
-def same_tokenizer(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_tokenizer(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # Checkpoints from before tokenizers were recorded say nothing; a synthetic-data run has none.
     if None not in (saved.tokenizer, current.tokenizer) and saved.tokenizer != current.tokenizer:
         raise ReshapeError(
@@ -168,7 +168,7 @@ def same_tokenizer(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> N
         )
 
 
-def same_streaming(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_streaming(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # Each rank reads its share of a stream from its own saved position; an indexed corpus has no
     # position to carry over.
     if saved.streamed != current.streamed:
@@ -180,7 +180,7 @@ def same_streaming(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> N
         )
 
 
-def stream_on_its_layout(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def stream_on_its_layout(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # Another layout would split the stream otherwise.
     shape = ("data", "pipeline", "tensor")
     if saved.streamed and [getattr(saved, key) for key in shape] != [getattr(current, key) for key in shape]:
@@ -191,13 +191,13 @@ def stream_on_its_layout(saved: SavedLayout, current: SavedLayout, tag_dir: Path
         )
 
 
-def _recorded_and_changed(saved: SavedLayout, current: SavedLayout, name: str) -> bool:
+def _recorded_and_changed(saved: CheckpointManifest, current: CheckpointManifest, name: str) -> bool:
     """Checkpoints from before `name` was recorded say nothing about it."""
     was = getattr(saved, name)
     return was is not None and was != getattr(current, name)
 
 
-def same_global_batch(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_global_batch(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # The data order and the LR schedule count steps: on another global batch, step N would read
     # samples the checkpoint has trained on, or skip some.
     if _recorded_and_changed(saved, current, "train_batch_size"):
@@ -210,7 +210,7 @@ def same_global_batch(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -
         )
 
 
-def same_training_set(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_training_set(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # The order is drawn over the training set: another size (another data.path, seq_len, stride or
     # validation_fraction) reorders it, and with another split text the checkpoint trained on can be
     # validation now.
@@ -223,8 +223,8 @@ def same_training_set(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -
         )
 
 
-def same_optimizer_groups(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
-    # Checkpoints from before the groups were recorded all had one (SavedLayout.from_record).
+def same_optimizer_groups(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
+    # Checkpoints from before the groups were recorded all had one (CheckpointManifest.from_record).
     if saved.optimizer_groups != current.optimizer_groups:
         raise ReshapeError(
             f"trainer.weight_decay_on: checkpoint {tag_dir} holds {_GROUPS[saved.optimizer_groups]}, and this "
@@ -233,7 +233,7 @@ def same_optimizer_groups(saved: SavedLayout, current: SavedLayout, tag_dir: Pat
         )
 
 
-def same_adapters(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def same_adapters(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     # A LoRA checkpoint holds the adapters and their optimizer states alone; its base is model.init_from's.
     if saved.lora != current.lora:
         held = "model.lora's adapters alone" if saved.lora else "every weight of the model"
@@ -244,7 +244,7 @@ def same_adapters(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> No
         )
 
 
-def converts(saved: SavedLayout, current: SavedLayout) -> bool:
+def converts(saved: CheckpointManifest, current: CheckpointManifest) -> bool:
     """The decision: whether a resume of `saved` on `current` goes through the universal form."""
     # torch.distributed.checkpoint reshards on load: DDP's whole tensors and FSDP's row pieces are
     # read into whatever this run holds, at any data-parallel size.
@@ -266,7 +266,7 @@ def _on_conversion(check: Check) -> Check:
     """A check of what the conversion needs: it applies only where `converts` says one is made."""
 
     @functools.wraps(check)
-    def checked(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+    def checked(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
         if converts(saved, current):
             check(saved, current, tag_dir)
 
@@ -274,7 +274,7 @@ def _on_conversion(check: Check) -> Check:
 
 
 @_on_conversion
-def tensor_shards_recorded(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def tensor_shards_recorded(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if saved.backend == "accelerate" and current.tensor > 1:
         raise _cannot_resume(
             saved,
@@ -287,7 +287,7 @@ def tensor_shards_recorded(saved: SavedLayout, current: SavedLayout, tag_dir: Pa
 
 
 @_on_conversion
-def universal_into_zero_partitions(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def universal_into_zero_partitions(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if current.backend == "deepspeed" and current.zero_stage == 0:
         raise _cannot_resume(
             saved,
@@ -300,7 +300,7 @@ def universal_into_zero_partitions(saved: SavedLayout, current: SavedLayout, tag
 
 
 @_on_conversion
-def zero0_optimizer_order_recorded(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def zero0_optimizer_order_recorded(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if (
         saved.backend == "deepspeed"
         and saved.zero_stage == 0
@@ -318,7 +318,7 @@ def zero0_optimizer_order_recorded(saved: SavedLayout, current: SavedLayout, tag
 
 
 @_on_conversion
-def accelerate_names_recorded(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def accelerate_names_recorded(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if saved.backend == "accelerate" and not (tag_dir / NAMES_FOLDER).is_dir():
         raise ReshapeError(
             f"trainer.resume: checkpoint {tag_dir} was saved by the accelerate backend before it recorded its "
@@ -328,7 +328,7 @@ def accelerate_names_recorded(saved: SavedLayout, current: SavedLayout, tag_dir:
 
 
 @_on_conversion
-def adapters_on_their_layout(saved: SavedLayout, current: SavedLayout, tag_dir: Path) -> None:
+def adapters_on_their_layout(saved: CheckpointManifest, current: CheckpointManifest, tag_dir: Path) -> None:
     if saved.lora:
         raise _cannot_resume(
             saved,
@@ -360,7 +360,7 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def needs_conversion(saved: SavedLayout | None, current: SavedLayout, tag_dir: Path) -> bool:
+def needs_conversion(saved: CheckpointManifest | None, current: CheckpointManifest, tag_dir: Path) -> bool:
     """Whether resuming `tag_dir` (saved as `saved`) on `current` goes through a universal
     checkpoint; raises ReshapeError, naming both layouts and the way out, when it cannot."""
     if saved is None:

@@ -26,8 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from engine.checkpoints.from_torch import ENGINE_STATE
-from engine.checkpoints.reshape import LAYOUT_FILE, SavedLayout, write_layout
+from engine.checkpoints.reshape import MANIFEST_FILE, CheckpointManifest, write_manifest
 from engine.parallel.process_group import barrier, env_rank
 
 LATEST = "latest"
@@ -125,8 +124,10 @@ def resume_target(resume: bool | str, output_dir: Path) -> CheckpointRef | None:
 
 def _holds_checkpoint(path: Path) -> bool:
     """DeepSpeed's model states (`*model_states.pt`, per stage under pipelines), the accelerate
-    backend's engine state, or the layout every save of this engine records."""
-    markers = (LAYOUT_FILE, ENGINE_STATE)
+    backend's engine state, or the manifest every save of this engine records."""
+    from engine.checkpoints.from_torch import ENGINE_STATE  # torch.distributed.checkpoint: not for `validate`
+
+    markers = (MANIFEST_FILE, ENGINE_STATE)
     return path.is_dir() and (any((path / name).is_file() for name in markers) or any(path.glob("*model_states.pt")))
 
 
@@ -134,15 +135,15 @@ def stage_checkpoint(
     write: Callable[[Path, str], None],
     root: Path,
     step: int,
-    layout: SavedLayout,
+    manifest: CheckpointManifest,
     buffers: Mapping[str, torch.Tensor],
     data_position: Mapping[str, Any] | None = None,
 ) -> None:
     """Collective: every rank writes its part of the checkpoint of `step` into `<tag>.partial` with
     `write(root, staging_tag)`, after rank 0 has cleared what crashed saves left there.
 
-    `layout` (engine.checkpoints.reshape.SavedLayout) is kept with the checkpoint, so a resume on another
-    layout knows what it is converting from. `data_position` is this rank's place in a streamed
+    `manifest` (engine.checkpoints.reshape.CheckpointManifest) is kept with the checkpoint, so a resume on
+    another layout knows what it is converting from. `data_position` is this rank's place in a streamed
     corpus, if it reads one. `write` may return before its files are whole (`trainer.async_save`):
     the checkpoint is published only by `publish_checkpoint`, once they are on every rank."""
     staging = step_tag(step) + PARTIAL
@@ -160,7 +161,7 @@ def stage_checkpoint(
     if data_position is not None:
         save_data_position(root / staging, env_rank(), data_position)
     if env_rank() == 0:
-        write_layout(root / staging, layout)
+        write_manifest(root / staging, manifest)
 
 
 def publish_checkpoint(

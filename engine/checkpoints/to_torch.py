@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.checkpoints.universal import UNIVERSAL_FOLDER, ZERO3_PREFIX, saved_buffers, saved_names
 from engine.parallel.consolidate import tensor_names
-from models.common import persistent_buffers
+from models.module_state import persistent_buffers
 
 # What DeepSpeed's own `load_checkpoint` keeps out of the client state it returns.
 _DEEPSPEED_STATES = {

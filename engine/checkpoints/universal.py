@@ -39,8 +39,8 @@ from deepspeed.checkpoint.constants import (
 from torch import nn
 
 from engine.checkpoints.reshape import NAMES_FOLDER, OPTIMIZER_ORDER
-from models.common import persistent_buffers
-from models.tensor_parallel import SHARD_ATTRIBUTE, Shard
+from models.module_state import persistent_buffers
+from parallelism.tensor import SHARD_ATTRIBUTE, Shard
 
 UNIVERSAL_FOLDER = "universal"
 ZERO3_PREFIX = "zero_pp_rank_0_"

@@ -6,6 +6,11 @@ documented spellings and deprecated aliases are read here, so the schema follows
 DeepSpeed release instead of a copy that drifts; engine/config/schema.py lays the engine's own
 defaults and `"auto"` rules over the fields it decides. DeepSpeed's own list of removed keys, with
 its messages, is read the same way.
+
+Importing DeepSpeed takes seconds, so the config does not import this module: it reads what
+`read_deepspeed` answers for the pinned release from engine/config/deepspeed_facts.json
+(engine/config/deepspeed_facts.py), and comes here only for another release or a conversion.
+`python -m engine.config.deepspeed_schema` rewrites that file.
 """
 
 from __future__ import annotations
@@ -13,20 +18,21 @@ from __future__ import annotations
 import ast
 import enum
 import inspect
+import json
 import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import PurePath
-from typing import Any
+from pathlib import Path, PurePath
+from typing import Any, NamedTuple
 
+import deepspeed
 import torch
 from deepspeed.comm.config import CommsLoggerConfig
 from deepspeed.compile.config import CompileConfig
 from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
 from deepspeed.runtime import config as deepspeed_runtime_config
-from deepspeed.runtime.config import HybridEngineConfig
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, HybridEngineConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.precision_config import BFLOAT16, BFLOAT16_OLD, DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
@@ -199,10 +205,10 @@ def annotation_schema(annotation: Any) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Alias:
+class _Alias(NamedTuple):
     """A key DeepSpeed reads as another: `new` is the current key beside it (None where DeepSpeed
-    ignores the old one), `convert` turns the old value into the new one's."""
+    ignores the old one), `convert` turns the old value into the new one's. engine/config/
+    deepspeed_facts.py keeps all but `convert`, which stays here with DeepSpeed."""
 
     section: tuple[str, ...]
     old: str
@@ -211,28 +217,28 @@ class Alias:
     deprecated: bool = True
 
 
-def _model_aliases(model: type[BaseModel], section: tuple[str, ...]) -> Iterator[Alias]:
+def _model_aliases(model: type[BaseModel], section: tuple[str, ...]) -> Iterator[_Alias]:
     for name, field in model.model_fields.items():
         record = deprecated(field)
         if record:
             new = record.get("new_param") if record.get("set_new_param", True) else None
             if new in model.model_fields:
                 new = spelling(new, model.model_fields[new])
-            yield Alias(section, name, new, record.get("new_param_fn"))
+            yield _Alias(section, name, new, record.get("new_param_fn"))
         elif field.alias and field.alias != name:
-            yield Alias(section, name, field.alias, deprecated=False)
+            yield _Alias(section, name, field.alias, deprecated=False)
         nested = field.annotation
         for candidate in (nested, *typing.get_args(nested)):
             if isinstance(candidate, type) and issubclass(candidate, BaseModel):
                 yield from _model_aliases(candidate, (*section, spelling(name, field)))
 
 
-def aliases() -> list[Alias]:
+def _aliases() -> list[_Alias]:
     """Every alias DeepSpeed's models declare, plus the top-level `bfloat16` (DeepSpeed reads it
     where `bf16` is absent, deepspeed/runtime/precision_config.py) and `aio.thread_count`, the older
     name of `intra_op_parallelism` that DeepSpeed 0.19.8 no longer reads (runtime/swap_tensor/
     aio_config.py): written by the documents, silently ignored there, read here as its successor."""
-    found = [Alias((), BFLOAT16_OLD, BFLOAT16), Alias(("aio",), "thread_count", "intra_op_parallelism")]
+    found = [_Alias((), BFLOAT16_OLD, BFLOAT16), _Alias(("aio",), "thread_count", "intra_op_parallelism")]
     for key, model in MODEL_SECTIONS.items():
         found.extend(_model_aliases(model, (key,)))
     for key, model in TIMER_SECTIONS.items():
@@ -240,11 +246,13 @@ def aliases() -> list[Alias]:
     return found
 
 
-def converted(alias: Alias, value: Any) -> Any:
-    """The value the new key takes, as DeepSpeed converts it (a model turned back into JSON)."""
-    if alias.convert is None:
+def convert(section: tuple[str, ...], old: str, value: Any) -> Any:
+    """The value the key that replaces `old` in `section` takes, as DeepSpeed converts it (a model
+    turned back into JSON)."""
+    function = next(alias.convert for alias in _aliases() if alias.section == tuple(section) and alias.old == old)
+    if function is None:
         return value
-    value = alias.convert(value)
+    value = function(value)
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", exclude_unset=True, by_alias=True)
     return value
@@ -261,3 +269,41 @@ def removed_keys() -> dict[tuple[str, ...], str]:
     for key, message in deepspeed_runtime_config._REMOVED_ZERO_CONFIG_KEYS.items():
         removed[("zero_optimization", key)] = message
     return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# What the config reads without importing DeepSpeed
+# ---------------------------------------------------------------------------------------------
+
+
+def read_deepspeed() -> dict:
+    """Everything the config takes from the installed DeepSpeed, as JSON: its version, the schema of
+    each section it parses with a model, its aliases, its removed keys and its optimizer names."""
+    return {
+        "version": deepspeed.__version__,
+        "sections": {key: model_schema(model) for key, model in MODEL_SECTIONS.items()},
+        "timers": {key: model_schema(model) for key, model in TIMER_SECTIONS.items()},
+        "aliases": [
+            {
+                "section": list(alias.section),
+                "old": alias.old,
+                "new": alias.new,
+                "converts": alias.convert is not None,
+                "deprecated": alias.deprecated,
+            }
+            for alias in _aliases()
+        ],
+        "removed": [{"path": list(path), "message": message} for path, message in removed_keys().items()],
+        "optimizers": list(DEEPSPEED_OPTIMIZERS),
+    }
+
+
+def facts_text() -> str:
+    """engine/config/deepspeed_facts.json as `read_deepspeed` answers now."""
+    return json.dumps(read_deepspeed(), indent=1) + "\n"
+
+
+if __name__ == "__main__":
+    facts = Path(__file__).with_name("deepspeed_facts.json")
+    facts.write_text(facts_text())
+    print(f"wrote {facts}")

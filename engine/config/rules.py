@@ -19,7 +19,7 @@ from data.kinds import KINDS, get_kind, kind_schema
 from engine.config.batch import BatchError, solve_document_batch
 from engine.config.errors import ConfigIssue
 from engine.config.schema import AUTO
-from engine.config.stop_keys import parse_duration, signal_number
+from engine.config.stop_settings import parse_duration, signal_number
 from engine.config.support import unsupported_issues
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware
@@ -275,7 +275,7 @@ def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> 
     """ALST's tiled MLP and the loss without whole logits (model.tiled_mlp, model.loss "tiled" or
     "fused") where they cannot run."""
     model, parallel = document["model"], document["parallel"]
-    loss = model.get("loss", "full")
+    loss = model.get("loss", "auto")
     tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": loss in ("tiled", "fused")}
     if tiled["model.tiled_mlp"] and effective_backend(document["trainer"]["backend"]) != "deepspeed":
         yield ConfigIssue(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data.kinds import KINDS, kind_schema
-from engine.config.deepspeed_schema import MODEL_SECTIONS, TIMER_SECTIONS, model_schema
+from engine.config.deepspeed_facts import deepspeed_facts
 from models import FAMILIES
 from models.lora import LORA_SCHEMA
 
@@ -96,7 +96,7 @@ def _overlay(deepspeed: dict, engine: dict) -> dict:
 
 def _deepspeed_section(key: str, engine: dict) -> dict:
     """The top-level section `key`, from DeepSpeed's pydantic model with the engine's fields over it."""
-    return _overlay(model_schema(MODEL_SECTIONS[key]), engine)
+    return _overlay(deepspeed_facts().section_schema(key), engine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ _TIMERS = _object(
     "DeepSpeed's timers.",
     {
         "throughput": _overlay(
-            model_schema(TIMER_SECTIONS["throughput"]),
+            deepspeed_facts().timer_schema("throughput"),
             _object(
                 "DeepSpeed's throughput timer (samples/s in its progress lines). It synchronises the device at the "
                 "start and end of every forward when synchronized, so the engine turns it off: its own metrics time "
@@ -753,7 +753,7 @@ DEEPSPEED_PROPERTIES: dict[str, dict] = {
     "tensorboard": _TENSORBOARD,
     "csv_monitor": _CSV_MONITOR,
     "wandb": _WANDB,
-    **{key: model_schema(MODEL_SECTIONS[key]) for key in ("comet", "comms_logger", "compile", "hybrid_engine")},
+    **{key: deepspeed_facts().section_schema(key) for key in ("comet", "comms_logger", "compile", "hybrid_engine")},
     "tensor_parallel": _TENSOR_PARALLEL,
     "activation_checkpointing": _ACTIVATION_CHECKPOINTING,
     "flops_profiler": _FLOPS_PROFILER,

@@ -73,8 +73,8 @@ class ModelSection:
 
     @property
     def loss(self) -> str:
-        """How a decoder computes its loss: "full" logits, "tiled" or "fused" (models/tiling.py)."""
-        return self.fields.get("loss", "full")
+        """How a decoder computes its loss: "auto", "full" logits, "tiled" or "fused" (models/tiling.py)."""
+        return self.fields.get("loss", "auto")
 
 
 @dataclass(frozen=True)

@@ -13,27 +13,25 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import deepspeed
-from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
-from engine.config.deepspeed_schema import aliases, converted, removed_keys
+from engine.config.deepspeed_facts import converted, deepspeed_facts
 from engine.config.errors import ConfigIssue, json_path
 from engine.config.schema import SCHEMA, SPELLINGS
 
 _VALIDATOR = Draft202012Validator(SCHEMA)
-_ALIASES = aliases()
+_DEEPSPEED = deepspeed_facts()
 # Keys refused with a reason of their own instead of "unknown key": DeepSpeed's removals, in its
 # words, and what DeepSpeed reads but ignores.
 _REASONS: dict[tuple, str] = {
-    **{path: f"removed from DeepSpeed: {message}" for path, message in removed_keys().items()},
+    **{path: f"removed from DeepSpeed: {message}" for path, message in _DEEPSPEED.removed.items()},
     ("optimizer", "params", "max_grad_norm"): "DeepSpeed does not apply max_grad_norm as an optimizer parameter (it "
     "warns and trains unclipped); clip with the top-level gradient_clipping",
     **{
         (*alias.section, alias.old): f"an older spelling of {json_path([*alias.section, alias.new])}, which is also "
         "given; keep only that one"
-        for alias in _ALIASES
+        for alias in _DEEPSPEED.aliases
         if alias.new
     },
     ("pipeline", "stages"): "DeepSpeed's pipeline engine reads no stage count here (PipelineModule's num_stages sets "
@@ -112,14 +110,14 @@ def _issues_for(error: ValidationError) -> Iterator[ConfigIssue]:
 def _optimizer_problem(name: str) -> str:
     """Why an optimizer.type is refused: one DeepSpeed builds that the engine does not, or one DeepSpeed
     does not know either (it would look the name up in torch.optim at run time)."""
-    if name.lower() in DEEPSPEED_OPTIMIZERS:
+    if name.lower() in _DEEPSPEED.optimizers:
         return (
             f"{name!r} is a DeepSpeed optimizer this engine does not run: the accelerate backend and the "
             "single-process reference build the optimizer from torch, so only Adam, AdamW and SGD mean the same "
             "on every backend; use one of them"
         )
     return (
-        f"{name!r} is not an optimizer DeepSpeed {deepspeed.__version__} builds ({', '.join(DEEPSPEED_OPTIMIZERS)})"
+        f"{name!r} is not an optimizer DeepSpeed {_DEEPSPEED.version} builds ({', '.join(_DEEPSPEED.optimizers)})"
         f"{suggest(name, ['Adam', 'AdamW', 'SGD'])}; use Adam, AdamW or SGD"
     )
 
@@ -164,7 +162,7 @@ def canonical_spellings(document: dict) -> dict:
     if isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
         names = SCHEMA["properties"]["optimizer"]["properties"]["type"]["enum"]
         optimizer["type"] = {name.lower(): name for name in names}.get(optimizer["type"].lower(), optimizer["type"])
-    for alias in _ALIASES:
+    for alias in _DEEPSPEED.aliases:
         section = _section(document, alias.section)
         if section is None or alias.old not in section or (alias.new and alias.new in section):
             continue
@@ -230,7 +228,7 @@ def spelling_notices(document: dict) -> list[str]:
     """One line for each deprecated key in `document` that `canonical_spellings` renames or drops, and
     for each DeepSpeed spelling it reads as the engine's key."""
     notices = []
-    for alias in _ALIASES:
+    for alias in _DEEPSPEED.aliases:
         section = _section(document, alias.section)
         if not alias.deprecated or section is None or alias.old not in section:
             continue

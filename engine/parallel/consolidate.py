@@ -19,7 +19,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
 
-from models.tensor_parallel import SHARD_ATTRIBUTE, gather_tensor_parallel
+from parallelism.tensor import SHARD_ATTRIBUTE, gather_tensor_parallel
 
 
 def tensor_names(model: nn.Module) -> dict[int, str]:

@@ -12,10 +12,12 @@ are adjacent too, rank = data replica x SP + sequence shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class ParallelLayout:
         return self.pipeline > 1 or self.tensor > 1
 
     def topology(self) -> PipeModelDataParallelTopology:
+        # Imported here: `validate` builds a layout, and DeepSpeed takes seconds to import.
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
         return PipeModelDataParallelTopology(num_pp=self.pipeline, num_mp=self.tensor, num_dp=self.data)
 
     def coordinates(self, rank: int) -> Coordinates:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.common import IGNORE_INDEX, SHARD_POSITIONS, ULYSSES_SDPA
+from models.attention import SHARD_POSITIONS, ULYSSES_SDPA
+from models.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def enable_ulysses(model: torch.nn.Module, size: int, micro_batch_size: int, zer
 
     DeepSpeed swaps the attention function registered under the model's attention name for its
     wrapper, process-wide and for good. The model is moved to a name of the engine's own
-    (`models.common.ULYSSES_SDPA`, plain SDPA), so no other model in the process, nor a later
+    (`models.attention.ULYSSES_SDPA`, plain SDPA), so no other model in the process, nor a later
     one loaded from the export, runs through it."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AttentionInterface

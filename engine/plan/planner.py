@@ -250,6 +250,11 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
             micro,
             element,
             layout.sequence,
+            # ZeRO-3 and FSDP hold a shard of the head outside its forward; tensor parallelism a vocabulary slice.
+            whole_head=layout.tensor == 1
+            and (
+                config.accelerate_wrapper == "ddp" if config.trainer.backend == "accelerate" else config.zero_stage < 3
+            ),
         )
     )
 

@@ -164,7 +164,8 @@ def test_liger_kernels_and_fused_loss_match_the_plain_llama_in_bf16():
     rounding."""
     pytest.importorskip("liger_kernel")
     from models import get_family
-    from models.common import compute_loss, seed_everything
+    from models.loss import compute_loss
+    from models.seeding import seed_everything
 
     section = {"family": "llama", "preset": "tiny", "vocab_size": 256, "max_position_embeddings": 128}
     models = []

@@ -28,7 +28,7 @@ from engine.backends.optim import build_optimizer
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data
-from models.common import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 from tests.support.launch import Run, launch, launch_accelerate
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.pretrained import CHATML_TEMPLATE, write_tiny_llama

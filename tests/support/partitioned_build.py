@@ -24,7 +24,7 @@ from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import init_process_group
 from engine.prepare import load_data, settle_vocabulary
 from models import get_family
-from models.common import seed_everything
+from models.seeding import seed_everything
 
 
 def main(config_path: str, out: Path, overrides: list[str]) -> None:

@@ -18,7 +18,8 @@ from engine.config import EngineConfig, load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import load_data, settle_vocabulary
 from models import get_family
-from models.common import IGNORE_INDEX, seed_everything
+from models.loss import IGNORE_INDEX
+from models.seeding import seed_everything
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,8 @@ from engine.plan import plan_run
 from engine.plan.planner import Plan
 from models import get_family
 from models.checkpointing import SUGGESTED, Checkpointing
-from models.common import IGNORE_INDEX, compute_loss, seed_everything
+from models.loss import IGNORE_INDEX, compute_loss
+from models.seeding import seed_everything
 
 VOCAB, LENGTH = 96, 32
 # Four blocks, so that every second block leaves two of them keeping their activations.

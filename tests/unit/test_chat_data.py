@@ -21,7 +21,7 @@ from data.kinds import KINDS
 from engine.config import ConfigError, load_config
 from engine.launch.hardware import detect_hardware
 from engine.prepare import RunError, load_data
-from models.common import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 from tests.support.launch import ROOT
 from tests.support.pretrained import CHATML_TEMPLATE, write_chat_tokenizer, write_tiny_llama
 

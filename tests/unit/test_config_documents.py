@@ -25,7 +25,7 @@ PLAIN_JSON = sorted([*(ROOT / "configs").glob("*.json"), *CORPUS.glob("*.json")]
 PLAIN_JSON.remove(CORPUS / "sources.json")
 # Commented as DeepSpeed's own configs may be (hjson): where their weights go, and their plans.
 PLAIN_JSON.remove(ROOT / "configs" / "sft_llama3_8b_lora.json")
-PLAIN_JSON.remove(ROOT / "configs" / "llama_1b_32k_sp.json")
+PLAIN_JSON.remove(ROOT / "configs" / "llama_1b_128k_sp.json")
 
 
 def deepspeed_reads(path: Path) -> dict:

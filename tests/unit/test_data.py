@@ -31,7 +31,7 @@ from data.transforms import normalize, pad_and_crop
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from models import get_family
-from models.common import IGNORE_INDEX
+from models.loss import IGNORE_INDEX
 from tests.support.launch import ROOT
 from tests.support.text_reference import token_stream
 

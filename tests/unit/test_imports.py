@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "models", "data")
+PACKAGES = ("engine", "models", "data", "parallelism")
 JOB_MODULES = ("engine.prepare", "engine.session", "engine.trainer", "engine.loop", "engine.cli", "engine.main")
 
 
@@ -61,6 +61,10 @@ def test_models_and_data_never_import_the_engine():
     graph = import_graph()
     assert violations(graph, "models", ("engine",)) == []
     assert violations(graph, "data", ("engine",)) == []
+
+
+def test_parallelism_imports_no_other_package():
+    assert violations(import_graph(), "parallelism", ("engine", "models", "data")) == []
 
 
 def test_config_imports_neither_observability_nor_backends_nor_the_job():

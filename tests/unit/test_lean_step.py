@@ -19,7 +19,8 @@ from engine.failures.nonfinite import DeferredHealth, StepHealth
 from engine.launch.hardware import Hardware
 from engine.observability.step_phases import PhaseTimer
 from models import get_family
-from models.common import CAUSAL_SDPA, pipeline_loss
+from models.attention import CAUSAL_SDPA
+from models.decoder_pipeline import pipeline_loss
 from tests.support.launch import ROOT
 
 GPT_CONFIG = ROOT / "configs" / "tiny_gpt.json"

@@ -114,8 +114,8 @@ def test_llama_8b_fits_4_nodes_under_tp8_pp2_zero1():
     assert fits, text
 
 
-def test_llama_1b_at_32k_tokens_fits_one_node_only_by_splitting_each_sequence_8_ways():
-    """configs/llama_1b_32k_sp.json, planned as its comment says: ZeRO-3 partitions every parameter
+def test_llama_1b_at_128k_tokens_fits_one_node_only_by_splitting_each_sequence_8_ways():
+    """configs/llama_1b_128k_sp.json, planned as its comment says: ZeRO-3 partitions every parameter
     over all 8 ranks, which are one data-parallel replica's 8 sequence shards; the same run without
     sequence parallelism does not fit."""
     hidden, layers, sequence, heads, kv_heads, inner = 2048, 16, 8, 32, 8, 8192
@@ -124,10 +124,10 @@ def test_llama_1b_at_32k_tokens_fits_one_node_only_by_splitting_each_sequence_8_
     numels = [VOCAB * hidden, *(layer + [hidden, hidden]) * layers, hidden]
     assert sum(numels) == 1_235_814_400  # Llama 3.2 1B's published count
 
-    plan = planned("llama_1b_32k_sp.json", GPUS_PER_NODE)
+    plan = planned("llama_1b_128k_sp.json", GPUS_PER_NODE)
     config = plan.config
     assert (config.zero_stage, config.precision, config.dp_size) == (3, "bf16", 1)
-    assert config.parallel.sequence_parallel_size == sequence and config.data.seq_len == 32768
+    assert config.parallel.sequence_parallel_size == sequence and config.data.seq_len == 131072
     assert config.document["train_batch_size"] * config.data.seq_len == 2**20  # a million tokens a step
     # Each parameter padded to a multiple of the 8 ZeRO ranks, an eighth on each; the RMSNorm weights
     # (under the resolved persistence threshold of 10 x hidden) are also held whole after each step.
@@ -142,7 +142,7 @@ def test_llama_1b_at_32k_tokens_fits_one_node_only_by_splitting_each_sequence_8_
     assert fits, text
 
     whole = load_config(
-        ROOT / "configs" / "llama_1b_32k_sp.json",
+        ROOT / "configs" / "llama_1b_128k_sp.json",
         ["parallel.sequence_parallel_size=1"],
         world_size=GPUS_PER_NODE,
         hardware=gpu_node(),

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from data.chat.prompt import reply_prompt
 from data.chat.samples import Conversations
 from engine.checkpoints.export import export_model, load_exported
-from engine.checkpoints.reshape import ReshapeError, SavedLayout, needs_conversion
+from engine.checkpoints.reshape import CheckpointManifest, ReshapeError, needs_conversion
 from engine.config import ConfigError, load_config
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.plan import plan_run, table, verdict
@@ -114,8 +114,8 @@ def test_target_modules_that_match_nothing_name_the_model_layers(lora_config_fil
 
 
 def test_a_lora_checkpoint_resumes_on_its_own_layout_only(tmp_path: Path):
-    def layout(data: int, stage: int, lora: bool) -> SavedLayout:
-        return SavedLayout("deepspeed", data, 1, 1, stage, 384, 1, None, 8, 100, lora=lora)
+    def layout(data: int, stage: int, lora: bool) -> CheckpointManifest:
+        return CheckpointManifest("deepspeed", data, 1, 1, stage, 384, 1, None, 8, 100, lora=lora)
 
     assert not needs_conversion(layout(2, 3, True), layout(2, 3, True), tmp_path)
     with pytest.raises(ReshapeError, match="holds the adapters and their optimizer states alone"):
@@ -123,7 +123,7 @@ def test_a_lora_checkpoint_resumes_on_its_own_layout_only(tmp_path: Path):
     with pytest.raises(ReshapeError, match="model.lora: checkpoint .* holds model.lora's adapters alone"):
         needs_conversion(layout(2, 3, True), layout(2, 3, False), tmp_path)
     # A layout.json written before LoRA was recorded trained every weight.
-    assert not SavedLayout.from_json(layout(2, 3, False).to_json().replace('"lora": false', '"x": 0')).lora
+    assert not CheckpointManifest.from_json(layout(2, 3, False).to_json().replace('"lora": false', '"x": 0')).lora
 
 
 def peft_reference(base: Path, lora: dict) -> PeftModel:

@@ -11,7 +11,7 @@ from deepspeed.pipe import TiedLayerSpec
 from engine.parallel.layout import Coordinates, ParallelLayout
 from models import get_family
 from models.resnet import logits_of
-from models.tensor_parallel import Shard, shard_tensor, unshard_tensors
+from parallelism.tensor import Shard, shard_tensor, unshard_tensors
 
 
 def run_layers(layers: list, inputs: torch.Tensor) -> torch.Tensor:

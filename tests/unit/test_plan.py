@@ -338,10 +338,11 @@ def test_without_an_accelerator_a_rank_holds_everything_in_host_memory():
     persistent = sum(numel for numel in numels if numel <= 10 * HIDDEN)
     offloaded = 4 * sum(numels) + 4 * sum(numels) + 3 * 4 * sum(numels)  # fp32 parameters, host gradients, Adam
     states = offloaded + 4 * persistent + 4 * sum(numels)  # and persistent parameters, device gradients
-    # Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) per layer at 2 bytes, doubled for fp32, and fp32 logits
-    # with their gradient.
-    layer = seq_len * micro * HIDDEN * (34 + 5 * 12 * seq_len // HIDDEN) * 2
-    activations = LAYERS * layer + 2 * 4 * seq_len * micro * VOCAB
+    # What GPT2Block saves without dropout under SDPA's flash kernel, 28 fp32 tensors as wide as the
+    # model per token (models/gpt.py), and at the peak the larger of one layer's gradients in flight and
+    # the full loss's three fp32 logits-sized tensors (ZeRO-3's head takes "auto" to the full loss).
+    layer = seq_len * micro * HIDDEN * 28 * 4
+    activations = LAYERS * layer + max(layer, 3 * 4 * seq_len * micro * VOCAB)
     private = 8 * 5000
 
     cpu = plan_run(config, machine("cpu", 1), sizes)

@@ -1,7 +1,7 @@
 """The planner under Ulysses sequence parallelism and ALST's tiling, on the CPU without launches: the
 structure of its numbers (a sequence shard's activations against one rank's whole sequence, ZeRO's
 partition over every replica's shards, what the tiled loss and MLP take away), worked out here from
-the shapes, and what `explain` tells each rank of a group. configs/llama_1b_32k_sp.json is planned
+the shapes, and what `explain` tells each rank of a group. configs/llama_1b_128k_sp.json is planned
 in tests/unit/test_llama_configs.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan import explain, plan_run, table
-from models.common import LOSS_PIECE_BYTES
+from models.tile_sizes import LOSS_PIECE_BYTES
 
 LLAMA = "configs/llama_tiny.json"
 # The tiny Llama (width 32, 4 query heads, 2 key/value heads, 2 layers, intermediate 64) on 64-token
@@ -66,9 +66,9 @@ def test_zero_partitions_the_states_over_every_replicas_sequence_shards(stage: i
 
 
 def test_the_tiled_loss_holds_the_logits_of_one_piece():
-    """model.loss "tiled": the fp32 logits and their gradient, 8 bytes per token and vocabulary row,
-    of one piece of at most LOSS_PIECE_BYTES of logits instead of all the rank's tokens."""
-    vocab, tokens = 2**19, 1024  # 2 GiB of fp32 logits: two pieces
+    """model.loss "tiled": three fp32 tensors of logits (the logits, their log-softmax and its gradient)
+    of one piece of at most LOSS_PIECE_BYTES instead of all the rank's tokens."""
+    vocab, tokens = 2**19, 1024  # 2 GiB of fp32 logits: 16 pieces
     sets = ["model.max_position_embeddings=1024", f"data.seq_len={tokens}", f"model.vocab_size={vocab}"]
     sets.append("train_micro_batch_size_per_gpu=1")
     hardware = detect_hardware(local_world_size=1)
@@ -77,9 +77,8 @@ def test_the_tiled_loss_holds_the_logits_of_one_piece():
         config = load_config(LLAMA, [*sets, f"model.loss={loss}"], world_size=1, hardware=hardware)
         return plan_run(config, hardware).ranks[0].activations
 
-    removed = peak("full") - peak("tiled")
-    logits = 2 * 4 * tokens * vocab
-    assert 0 < logits - removed <= 2 * LOSS_PIECE_BYTES
+    logits = 4 * tokens * vocab
+    assert peak("full") - peak("tiled") == 3 * (logits - LOSS_PIECE_BYTES)
 
 
 def test_the_tiled_mlp_keeps_its_intermediate_activations_for_one_piece_of_one_layer():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config.stop_keys import parse_duration, signal_number
+from engine.config.stop_settings import parse_duration, signal_number
 from engine.failures.preemption import StopRequests, estimated_save_s
 from engine.launch.signals import EXIT_PREEMPTED
 from engine.prepare import RunError, prepare

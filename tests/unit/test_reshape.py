@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoints.reshape import ReshapeError, SavedLayout, needs_conversion
+from engine.checkpoints.reshape import CheckpointManifest, ReshapeError, needs_conversion
 from engine.checkpoints.universal import save_names, saved_buffers
 
 
-def layout(**changes) -> SavedLayout:
-    record = SavedLayout(
+def layout(**changes) -> CheckpointManifest:
+    record = CheckpointManifest(
         "deepspeed",
         data=2,
         pipeline=1,
@@ -45,21 +45,25 @@ def layout(**changes) -> SavedLayout:
         (layout(optimizer_groups=1), layout(optimizer_groups=1), False),
         # Checkpoints from before tokenizers were recorded, and synthetic tokens, have none to compare.
         (
-            SavedLayout.from_record({key: value for key, value in asdict(layout()).items() if key != "tokenizer"}),
+            CheckpointManifest.from_record(
+                {key: value for key, value in asdict(layout()).items() if key != "tokenizer"}
+            ),
             layout(),
             False,
         ),
         (layout(tokenizer=None), layout(), False),
         # Nor did they record the global batch, or the training set's size.
         (
-            SavedLayout.from_record(
+            CheckpointManifest.from_record(
                 {key: value for key, value in asdict(layout()).items() if key != "train_batch_size"}
             ),
             layout(data=1),
             True,
         ),
         (
-            SavedLayout.from_record({key: value for key, value in asdict(layout()).items() if key != "train_samples"}),
+            CheckpointManifest.from_record(
+                {key: value for key, value in asdict(layout()).items() if key != "train_samples"}
+            ),
             layout(train_samples=9),
             False,
         ),
@@ -76,7 +80,7 @@ def layout(**changes) -> SavedLayout:
         (layout(zero_stage=0), layout(backend="accelerate", zero_stage=3), True),
     ],
 )
-def test_which_resumes_convert(saved: SavedLayout, current: SavedLayout, converts: bool, tmp_path: Path):
+def test_which_resumes_convert(saved: CheckpointManifest, current: CheckpointManifest, converts: bool, tmp_path: Path):
     (tmp_path / "names").mkdir()  # every checkpoint records its parameter names
     (tmp_path / "names" / "optimizer_order.json").write_text("[]")  # and fp32 ZeRO-0 its optimizer order
     assert needs_conversion(saved, current, tmp_path) is converts
@@ -103,7 +107,7 @@ def test_which_resumes_convert(saved: SavedLayout, current: SavedLayout, convert
         (layout(optimizer_groups=1), layout(data=1), 'one optimizer group .*weight_decay_on "all"'),
         # Saved before the layout recorded the groups, when every run had one.
         (
-            SavedLayout.from_record(
+            CheckpointManifest.from_record(
                 {key: value for key, value in asdict(layout()).items() if key != "optimizer_groups"}
             ),
             layout(),
@@ -111,7 +115,9 @@ def test_which_resumes_convert(saved: SavedLayout, current: SavedLayout, convert
         ),
     ],
 )
-def test_impossible_reshapes_name_the_way_out(saved: SavedLayout, current: SavedLayout, message: str, tmp_path: Path):
+def test_impossible_reshapes_name_the_way_out(
+    saved: CheckpointManifest, current: CheckpointManifest, message: str, tmp_path: Path
+):
     with pytest.raises(ReshapeError, match=message) as refusal:
         needs_conversion(saved, current, tmp_path)
     if not any(word in message for word in ("vocab", "split", "tokenizer", "train_batch_size", "data:")):

@@ -233,7 +233,7 @@ def test_an_override_of_the_engines_key_replaces_deepspeeds_spelling(tmp_path: P
 
 def test_the_tiling_keys_default_off_for_the_decoders_only():
     filled = check_document(base(), 1, CPU)["model"]
-    assert (filled["tiled_mlp"], filled["loss"]) == (False, "full")
+    assert (filled["tiled_mlp"], filled["loss"]) == (False, "auto")
     resnet = base(model={"family": "resnet", "preset": "resnet18", "tiled_mlp": True}, data={"type": "synthetic"})
     (issue,) = issues_of(resnet)
     assert issue.startswith("model.tiled_mlp: unknown key")

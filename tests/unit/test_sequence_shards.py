@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from engine.parallel.sequence import SequenceShards
-from models.common import IGNORE_INDEX, SHARD_POSITIONS, model_inputs
+from models.attention import SHARD_POSITIONS, model_inputs
+from models.loss import IGNORE_INDEX
 
 
 def shards(size: int) -> list[SequenceShards]:

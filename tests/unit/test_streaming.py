@@ -15,7 +15,7 @@ import torch
 
 from data.streaming import StreamedWindows, stream_micro_batches
 from data.tokenizers import ByteTokenizer, HFTokenizer
-from engine.checkpoints.reshape import ReshapeError, SavedLayout, needs_conversion
+from engine.checkpoints.reshape import CheckpointManifest, ReshapeError, needs_conversion
 from tests.support.streaming import offline  # noqa: F401 (a fixture: pytest finds it by name)
 
 EOS = 0
@@ -289,8 +289,8 @@ def test_a_streamed_checkpoint_resumes_only_on_its_own_layout(tmp_path: Path):
     """Positions are kept rank by rank, and a pipeline's middle stages read none: any other split of the
     ranks, even at the same data-parallel size, would look up positions that were never saved."""
 
-    def record(data: int, pipeline: int, streamed: bool = True) -> SavedLayout:
-        return SavedLayout("deepspeed", data, pipeline, 1, 1, 256, 2, "byte", 8, None, streamed)
+    def record(data: int, pipeline: int, streamed: bool = True) -> CheckpointManifest:
+        return CheckpointManifest("deepspeed", data, pipeline, 1, 1, 256, 2, "byte", 8, None, streamed)
 
     assert needs_conversion(record(2, 1), record(2, 1), tmp_path) is False
     with pytest.raises(ReshapeError, match=r"saved by 2 data-parallel ranks .* this run is .* 2 x 2 x 1"):

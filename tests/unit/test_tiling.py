@@ -11,18 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models.common
+import models.tile_sizes
 from models import get_family
-from models.common import (
-    IGNORE_INDEX,
-    compute_loss,
-    eval_sums,
-    pipeline_eval_sums,
-    seed_everything,
-    tiled_loss_pieces,
-    tiled_mlp_pieces,
-)
-from models.tensor_parallel import apply_tensor_parallel
+from models.decoder_pipeline import pipeline_eval_sums
+from models.loss import IGNORE_INDEX, compute_loss, eval_sums
+from models.seeding import seed_everything
+from models.tile_sizes import tiled_loss_pieces, tiled_mlp_pieces
+from parallelism.tensor import apply_tensor_parallel
 from tests.support.process_group import world_of_one  # noqa: F401 (a fixture: pytest finds it by name)
 
 VOCAB, LENGTH = 96, 64
@@ -31,19 +26,20 @@ SECTIONS = {
     "gpt": {"family": "gpt", "preset": "tiny", "vocab_size": VOCAB},
 }
 SECTIONS["llama_tied"] = {**SECTIONS["llama"], "tie_word_embeddings": True}
-LOSSES = ["tiled", "fused"]
+# "auto" at eight pieces is "fused" (a plain head): each must equal the full logits' loss.
+LOSSES = ["tiled", "fused", "auto"]
 
 
 def built(family: str, **tiling: object) -> torch.nn.Module:
     seed_everything(0)
     section = SECTIONS[family]
-    return get_family(section["family"]).build({**section, **tiling})
+    return get_family(section["family"]).build({**section, "loss": "full", **tiling})
 
 
 @pytest.fixture
 def eight_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 16 positions' logits: 8 pieces of the loss of a batch of 2 x 64."""
-    monkeypatch.setattr(models.common, "LOSS_PIECE_BYTES", 16 * VOCAB * 4)
+    monkeypatch.setattr(models.tile_sizes, "LOSS_PIECE_BYTES", 16 * VOCAB * 4)
     assert tiled_loss_pieces(2 * LENGTH, VOCAB) == 8
 
 
@@ -159,3 +155,22 @@ def test_evaluation_still_gets_the_logits(family: str, batch: dict[str, torch.Te
     with torch.no_grad():
         expected = plain(input_ids=batch["input_ids"]).logits
         torch.testing.assert_close(tiled(input_ids=batch["input_ids"]).logits, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", list(SECTIONS))
+def test_auto_is_the_models_own_loss_where_the_logits_fit_one_piece(family: str, batch: dict[str, torch.Tensor]):
+    """model.loss "auto" (the default) keeps transformers' own loss, bit for bit, where the fused loss
+    would hold no less; with more than one piece it is the fused loss, bit for bit."""
+    assert tiled_loss_pieces(2 * LENGTH, VOCAB) == 1
+    plain, auto = built(family), built(family, loss="auto")
+    expected, loss = compute_loss(plain, batch, None), compute_loss(auto, batch, None)
+    expected.backward()
+    loss.backward()
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), auto.parameters(), strict=True))
+
+
+@pytest.mark.usefixtures("eight_pieces")
+def test_auto_is_the_fused_loss_where_the_logits_span_pieces(batch: dict[str, torch.Tensor]):
+    fused, auto = built("llama", loss="fused"), built("llama", loss="auto")
+    assert torch.equal(compute_loss(auto, batch, None), compute_loss(fused, batch, None))
