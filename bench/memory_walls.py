@@ -19,18 +19,23 @@ Memory, subtracted twice so that only what the loss holds is left:
   whatever the loss computes from them.
 The goal is the issue's: the fused loss's share at most a quarter of the full loss's.
 
-"fused" is Liger-Kernel's fused linear cross-entropy on CUDA; on a CPU it runs the engine's tiled
-loss (models/tiling.py), pieces of at most `models.tile_sizes.LOSS_PIECE_BYTES` of logits, so here the
-two are one code path: the sweep runs "fused", and "tiled" once, at micro-batch 1, to show it.
-The checkpointing choices (`models.checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
+"fused" is Liger-Kernel's fused linear cross-entropy on CUDA; on a CPU it runs the engine's PyTorch
+form of it (models/tiling.py `FusedLinearCrossEntropy`): the head's gradients computed in the forward
+piece by piece, pieces of at most `models.tile_sizes.LOSS_PIECE_BYTES` of logits, nothing computed
+twice. "tiled" (each piece's logits computed again in backward under checkpoint, the form ZeRO-3's
+and tensor parallelism's heads take) runs once, at micro-batch 1, against it. The checkpointing choices
+(`models.checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
+
+The optimizer is SGD without momentum or weight decay, which steps in place: AdamW's step makes
+temporaries as large as the head, which raise the REFERENCE run's peak and hid about 0.5 GiB of the
+loss's share in this benchmark's first run.
 
 Speed: a step's time (metrics.jsonl's `step_time_s`), over the steps after the first. Goal: fused /
 full <= 1.1.
 
 Plan: `python -m engine plan`'s activations (engine/plan, models/costs.py `decoder_activations`)
-over the same differences. It counts the attention scores of SDPA's math kernel; torch's CPU kernel
-for fp32 is a flash kernel that keeps none (its backward saves queries, keys, values, output and
-log-sum-exp), so for the body the plan is an upper bound here.
+over the same differences: what transformers' Llama layer saves (SDPA's flash kernel keeps no
+scores), one layer's gradients in flight, and what each loss holds.
 """
 
 from __future__ import annotations
@@ -215,11 +220,11 @@ def loss_rows(figures: Figures) -> list[Row]:
 
 
 def tiled_rows(trials: dict[Point, Trial]) -> list[Row]:
-    """The tiled loss against the fused, one code path on a CPU: peak RSS and step time."""
+    """The tiled loss (recomputed in backward) against the fused: peak RSS and step time."""
     fused, tiled = Point("fused", CHECKPOINTED_BATCH), Point("tiled", CHECKPOINTED_BATCH)
     return [
         compare(
-            f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused (one code path on a CPU): peak RSS, MiB",
+            f"micro-batch {CHECKPOINTED_BATCH}, tiled vs fused: peak RSS, MiB",
             trials[fused].peak / MIB,
             trials[tiled].peak / MIB,
         ),
@@ -342,20 +347,21 @@ def _described(point: Point) -> str:
 
 _METHOD = (
     f"{CONFIG.relative_to(ROOT)} widened to hidden 256 (4 query, 2 key/value heads, intermediate 688, 2 layers) "
-    f"with Llama 3's vocabulary of {VOCAB:,} (untied head), fp32, ZeRO-0, AdamW, synthetic tokens, {LENGTH} per "
-    f"sequence, one rank under the `deepspeed` launcher, {STEPS} steps (the first allocates Adam's states; the "
-    "second, at the full peak, is the one timed), every core. Peak RSS: the rank's VmHWM over the run, read from "
-    "/proc every 100 ms (bench/rank_memory.py). Activation memory: the peak above the same vocabulary's run at "
-    f"{REFERENCE} tokens (the interpreter, torch, DeepSpeed and the model states, which a GPU's allocator would "
-    "not count). The loss's share: the activation memory less the body's, the same model and micro-batch at a "
-    f"vocabulary of {SMALL_VOCAB}, whose logits are negligible (its own activations above its own {REFERENCE}-token "
-    'run): what the logits, their gradients and the loss hold. On a CPU `model.loss` "fused" runs the engine\'s '
-    "tiled loss (pieces of at most 1 GiB of fp32 logits, each recomputed in the backward pass under checkpoint); "
-    '"tiled" runs once to show the two are one path. The checkpointing choices run with the fused loss at '
-    f"micro-batch {CHECKPOINTED_BATCH}; on a CPU an offloaded input is a copy in the same host memory; their plot "
-    "shows each choice's activations less the loss's share without checkpointing. One step is timed per launch, so "
-    "a shared machine's load shows in the times. Plan: "
-    "`python -m engine plan`'s activations over the same differences; it counts the attention scores of SDPA's "
-    "math kernel, which torch's fp32 CPU flash kernel does not keep, and two fp32 logits-sized tensors for the "
-    "loss."
+    f"with Llama 3's vocabulary of {VOCAB:,} (untied head), fp32, ZeRO-0, SGD without momentum or weight decay "
+    f"(it steps in place: AdamW's temporaries would raise the short reference run's peak), synthetic tokens, "
+    f"{LENGTH} per sequence, one rank under the `deepspeed` launcher, {STEPS} steps (the second is the one timed), "
+    "every core. Peak RSS: the rank's VmHWM over the run, read from /proc every 100 ms (bench/rank_memory.py). "
+    f"Activation memory: the peak above the same vocabulary's run at {REFERENCE} tokens (the interpreter, torch, "
+    "DeepSpeed and the model states, which a GPU's allocator would not count). The loss's share: the activation "
+    f"memory less the body's, the same model and micro-batch at a vocabulary of {SMALL_VOCAB}, whose logits are "
+    f"negligible (its own activations above its own {REFERENCE}-token run): what the logits, their gradients and "
+    'the loss hold. On a CPU `model.loss` "fused" runs the engine\'s PyTorch fused linear cross-entropy (the '
+    'head\'s gradients computed in the forward, pieces of at most 128 MiB of fp32 logits); "tiled" recomputes '
+    "each piece's logits in the backward pass under checkpoint. The checkpointing choices run with the fused loss "
+    f"at micro-batch {CHECKPOINTED_BATCH}; on a CPU an offloaded input is a copy in the same host memory; their "
+    "plot shows each choice's activations less the loss's share without checkpointing. One step is timed per "
+    "launch, so a shared machine's load shows in the times. Plan: `python -m engine plan`'s activations over the "
+    "same differences (models/costs.py): what transformers' Llama layer saves, one layer's gradients in flight, "
+    "and three fp32 logits-sized tensors for the full loss, two pieces and the hidden states' gradient for the "
+    "fused."
 )

@@ -137,6 +137,7 @@ def decoder_activations(
     mlp_factor: Callable[[int], float],
     attention_width: int,
     attention_factor: Callable[[int], float],
+    final_norm_factor: float,
 ) -> ActivationEstimate:
     """The planner's activation estimate for a decoder of width `hidden`: one transformer layer
     keeps tokens * hidden * `layer_factor(tensor)` bytes at 2 bytes per element and tensor-parallel
@@ -157,13 +158,15 @@ def decoder_activations(
     of the layer's per token, exist for one piece (`tiled_mlp_pieces`) of one layer at a time, while
     that piece is recomputed in the backward pass.
 
+    The last stage adds the final norm's saved tensors, `final_norm_factor` per token as the layer's.
     The peak comes at the start of a backward pass: every layer's saved activations, plus the larger
     of what the loss holds then and one layer's gradients in flight (as large as its activations).
     The loss, measured on CPU (docs/benchmarks.md, memory-walls): "full" holds three fp32 tensors of
-    the micro-batch's logits (the logits, their log-softmax and its gradient); "tiled" three of one
-    piece (`tiled_loss_pieces`), computed again in backward; "fused" two of one piece (logits and
-    softmax) and the hidden states' gradient, kept from the forward; "auto" is "fused" where the
-    head is whole and the logits span more than one piece (models/tiling.py `auto_is_fused`)."""
+    the micro-batch's logits (the logits, their log-softmax and its gradient); "tiled" two of one
+    piece (`tiled_loss_pieces`: its log-softmax and gradient, computed again in backward); "fused"
+    two of one piece (logits and softmax) and the hidden states' gradient, kept from the forward;
+    "auto" is "fused" where the head is whole and the logits span more than one piece
+    (models/tiling.py `auto_is_fused`)."""
     slice_length = shape.data["seq_len"] // shape.sequence
     tokens = slice_length * shape.micro_batch
 
@@ -176,6 +179,7 @@ def decoder_activations(
         layer -= bytes_of(tokens, mlp_factor(shape.tensor))
         recomputed = bytes_of(piece, mlp_factor(shape.tensor))
     loss_bytes = _loss_bytes(shape, tokens, hidden, vocab)
+    final_norm = bytes_of(tokens, final_norm_factor)
 
     # One hidden state per token: a layer's input, and its attention module's.
     block_input = tokens * hidden * shape.element
@@ -193,7 +197,9 @@ def decoder_activations(
         if checkpointing.attention and layers:
             kept -= (layers - 1) * attention_internals
         in_flight = layer if layers else 0
-        return kept + max(in_flight, loss_bytes if stage == shape.stages - 1 else 0)
+        if stage < shape.stages - 1:
+            return kept + in_flight
+        return kept + final_norm + max(in_flight, loss_bytes)
 
     return ActivationEstimate(stage_bytes, tokens, hidden, [tokens * hidden] * (shape.stages - 1), attention_width)
 
@@ -210,4 +216,4 @@ def _loss_bytes(shape: PlanShape, tokens: int, hidden: int, vocab: int) -> int:
     if loss == "full":
         return 3 * logits
     piece = math.ceil(logits / pieces)
-    return 3 * piece if loss == "tiled" else 2 * piece + tokens * hidden * shape.element
+    return 2 * piece if loss == "tiled" else 2 * piece + tokens * hidden * shape.element

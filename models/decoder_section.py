@@ -52,7 +52,8 @@ def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:
             "is installed, the engine's PyTorch form of it elsewhere; a head split by tensor parallelism or "
             'partitioned by ZeRO-3 or FSDP takes "tiled". "auto": "fused" where a micro-batch\'s logits span more '
             'than one piece and the head is whole, "full" otherwise. Each also computes the evaluation loss. '
-            '"tiled" and "fused" run without pipeline parallelism, where "auto" is "full".',
+            'Under pipeline parallelism the last stage computes "tiled" and "fused" from its head\'s input, and '
+            '"auto" is "full".',
             "default": "auto",
         },
     }

@@ -264,8 +264,9 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
         return 2 + masks + (8 + scores) / tensor
 
     # Ulysses moves the query, key, value and attention output, each as wide as the model.
+    # The final LayerNorm keeps its input and output (the head's input).
     return decoder_activations(
-        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden, attention_factor
+        shape, hidden, shape.section.get("vocab_size"), layer_factor, mlp_factor, 4 * hidden, attention_factor, 4
     )
 
 

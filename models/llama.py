@@ -495,6 +495,7 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
         mlp_factor,
         2 * hidden + 2 * kv_width,
         attention_factor,
+        whole / 2,  # the final RMSNorm keeps what each of a layer's two does
     )
 
 

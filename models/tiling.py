@@ -48,9 +48,7 @@ def apply_tiling(model: nn.Module, section: Mapping[str, Any]) -> None:
                 module.forward = types.MethodType(_tiled_mlp_forward, module)
     loss = section.get("loss", AUTO_LOSS)
     if loss != "full":
-        # Liger is looked up here, at build time: an import inside the forward would be traced by torch.compile.
-        liger = _liger_loss() if loss != "tiled" else None
-        cross_entropy = tiled_cross_entropy if loss == "tiled" else functools.partial(fused_cross_entropy, liger)
+        cross_entropy = logits_free_loss(loss)
         auto = loss == AUTO_LOSS
 
         # A function, not a partial: torch.compile traces a bound method only where it finds its source.
@@ -68,6 +66,16 @@ def _tiled_mlp_forward(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 CrossEntropy = Callable[[nn.Module, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
+def logits_free_loss(loss: str) -> CrossEntropy:
+    """model.loss "tiled" or "fused" (or "auto", whose choice is "fused"'s) as a function of the head,
+    the last hidden states, the labels (already shifted), the vocabulary and the divisor; the
+    pipeline's last stage calls it with its head layer (engine/backends/pipeline_backend.py)."""
+    if loss == "tiled":
+        return tiled_cross_entropy
+    # Liger is looked up here, at build time: an import inside the forward would be traced by torch.compile.
+    return functools.partial(fused_cross_entropy, _liger_loss())
 
 
 def _loss_forward(
@@ -221,8 +229,9 @@ def _plain_linear(head: nn.Module) -> bool:
     # ZeRO-3 marks each parameter it partitions with its id; FSDP2 holds a DTensor's shard.
     from torch.distributed.tensor import DTensor  # imports sympy: not for the config's checks
 
-    weight = head.weight
-    return type(head) is nn.Linear and not hasattr(weight, "ds_id") and not isinstance(weight, DTensor)
+    if type(head) is not nn.Linear:
+        return False
+    return not hasattr(head.weight, "ds_id") and not isinstance(head.weight, DTensor)
 
 
 def _liger_loss() -> nn.Module | None:

@@ -28,6 +28,8 @@ from engine.backends.optim import parameter_groups
 from engine.backends.pipeline_timeline import PipelineEvent, RankTimeline, step_breakdown, write_pipeline_timeline
 from engine.backends.zero_checks import defer_norm_checks
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
+from models.loss import IGNORE_INDEX
+from models.tiling import logits_free_loss
 
 # The event kind (engine/backends/pipeline_timeline.py) of each instruction DeepSpeed's schedules issue.
 INSTRUCTION_KINDS = {
@@ -137,6 +139,8 @@ class PipelineBackend(DeepSpeedEngineBackend):
             activation_checkpoint_interval=settings.pipeline_activation_checkpoint_interval,
             activation_checkpoint_func=non_reentrant_checkpoint,
         )
+        self._loss_head = self._take_head(settings.model_fields.get("loss"))
+        self._vocab = settings.model_fields.get("vocab_size")
         self.grid = self.module.mpu()
         count_in_norm_once(self.module, self.grid.get_slice_parallel_rank())
         defer_norm_checks(settings)
@@ -163,9 +167,26 @@ class PipelineBackend(DeepSpeedEngineBackend):
 
         self.engine._INSTRUCTION_MAP[schedule.OptimizerStep] = measured_optimizer_step
 
+    def _take_head(self, loss: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """model.loss "tiled" or "fused": the last stage's last layer, the head, leaves the stage's
+        forward (which then ends at the final norm's hidden states) and computes the loss piece by
+        piece from them instead, so no stage holds the whole logits. Its parameters stay the stage's:
+        DeepSpeed still reduces them, ties them to the embedding and steps them. None elsewhere."""
+        if loss not in ("tiled", "fused") or self.module.stage_id != self.module.num_stages - 1:
+            return None
+        head = self.module.forward_funcs[-1]
+        self.module.forward_funcs[-1] = _hidden_states
+        self._cross_entropy = logits_free_loss(loss)
+        return head
+
+    def _summed_loss(self, hidden: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor | None) -> torch.Tensor:
+        return self._cross_entropy(self._loss_head, hidden, labels, self._vocab, divisor)
+
     def _training_loss(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Losses exist on the last stage only, inside the schedule: the hooks see them here.
-        return self.hooks.on_loss(self.family.pipeline.loss(outputs, labels))
+        if self._loss_head is None:
+            return self.hooks.on_loss(self.family.pipeline.loss(outputs, labels))
+        return self.hooks.on_loss(self._summed_loss(outputs, labels, None))
 
     def stage_layers(self) -> list[str]:
         """Each stage's layer range, for the start-up layout table."""
@@ -217,7 +238,11 @@ class PipelineBackend(DeepSpeedEngineBackend):
         keys = self.family.pipeline.eval_keys
 
         def stacked_sums(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            sums = self.family.pipeline.eval_sums(outputs, labels)
+            if self._loss_head is None:
+                sums = self.family.pipeline.eval_sums(outputs, labels)
+            else:
+                loss_sum = self._summed_loss(outputs, labels, torch.ones((), device=outputs.device))
+                sums = {"loss_sum": loss_sum.detach().double(), "tokens": (labels != IGNORE_INDEX).sum().double()}
             return torch.stack([sums[key].reshape(()).double() for key in keys])
 
         self.module.loss_fn = stacked_sums
@@ -253,3 +278,8 @@ class PipelineBackend(DeepSpeedEngineBackend):
             masters=fp16_optimizer_masters(self.engine.optimizer),
             device=self.device,
         )
+
+
+def _hidden_states(hidden: torch.Tensor) -> torch.Tensor:
+    """The head's place in the last stage's forward under a logits-free loss (`_take_head`)."""
+    return hidden

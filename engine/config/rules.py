@@ -274,9 +274,8 @@ def check_sequence_parallel(document: dict, world_size: int, hardware: Hardware 
 def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """ALST's tiled MLP and the loss without whole logits (model.tiled_mlp, model.loss "tiled" or
     "fused") where they cannot run."""
-    model, parallel = document["model"], document["parallel"]
-    loss = model.get("loss", "auto")
-    tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": loss in ("tiled", "fused")}
+    model = document["model"]
+    tiled = {"model.tiled_mlp": model.get("tiled_mlp", False), "model.loss": model.get("loss") in ("tiled", "fused")}
     if tiled["model.tiled_mlp"] and effective_backend(document["trainer"]["backend"]) != "deepspeed":
         yield ConfigIssue(
             "model.tiled_mlp",
@@ -302,14 +301,6 @@ def check_tiling(document: dict, world_size: int, hardware: Hardware | None) -> 
                     "weights piece by piece in a collective every rank must join; pack the data (data.packing), "
                     "use ZeRO-1 or 2, or turn it off",
                 )
-    if tiled["model.loss"] and parallel["pipeline_parallel_size"] > 1:
-        # A pipeline's last layer is the head and its loss function sees only that layer's output: the
-        # loss would need the last stage to end at the final norm and hand the head to the loss.
-        yield ConfigIssue(
-            "model.loss",
-            f"\"{loss}\" is computed in the model's forward, and DeepSpeed's pipeline engine computes the "
-            'loss from the last stage\'s whole logits; use "full", or set parallel.pipeline_parallel_size to 1',
-        )
 
 
 def check_kernels(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:

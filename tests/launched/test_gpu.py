@@ -181,3 +181,28 @@ def test_liger_kernels_and_fused_loss_match_the_plain_llama_in_bf16():
     torch.testing.assert_close(liger.float(), plain.float(), rtol=2e-2, atol=2e-2)
     for (name, reference), parameter in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(parameter.grad.float(), reference.grad.float(), rtol=5e-2, atol=5e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_the_pytorch_fused_loss_matches_the_full_logits_in_bf16_on_cuda():
+    """The engine's own fused linear cross-entropy (models/tiling.py, what "fused" runs where Liger is
+    not installed) in bf16 on CUDA, over 8 pieces with ignored targets: the full logits' loss and
+    gradients, to bf16's rounding."""
+    import torch.nn.functional as F
+
+    from models.tiling import FusedLinearCrossEntropy
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+    weight = (0.05 * torch.randn(4096, 64, device="cuda", generator=generator)).bfloat16().requires_grad_()
+    labels = torch.randint(0, 4096, (512,), device="cuda", generator=generator)
+    labels[:40] = -100
+    full = F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100, reduction="sum")
+    full.backward()
+    expected = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad, weight.grad = None, None
+    fused = FusedLinearCrossEntropy.apply(hidden, weight, None, labels, 8)
+    fused.backward()
+    torch.testing.assert_close(fused, full, rtol=1e-3, atol=1e-2)
+    for actual, reference in zip((hidden.grad, weight.grad), expected, strict=True):
+        torch.testing.assert_close(actual.float(), reference.float(), rtol=5e-2, atol=5e-2)

@@ -70,8 +70,9 @@ class Layout:
 LAYOUTS = [
     Layout("pp2_gpt_tied", GPT, 2, PP2),
     Layout("pp2_resnet", RESNET, 2, SHARED_RUNS["resnet_pp2"].layout, shared="resnet_pp2"),
+    # The last stage's tied head called by the tiled loss piece by piece, under the stages' checkpointing.
     Layout(
-        "pp2_partition_by_type_checkpointed_2_micro_batches",
+        "pp2_partition_by_type_checkpointed_2_micro_batches_tiled_loss",
         GPT,
         2,
         {
@@ -79,12 +80,20 @@ LAYOUTS = [
             **TWO_MICRO_BATCHES,
             "parallel.pipeline_partition_method": "type",
             "parallel.pipeline_activation_checkpoint_interval": 1,
+            "model.loss": "tiled",
         },
     ),
     # The tied head split by vocabulary, called by the tiled loss piece by piece (models/tiling.py).
     Layout("tp2", GPT, 2, {**TP2, "model.loss": "tiled"}),
     Layout("tp2_dp2_zero2", GPT, 4, {**TP2, "zero_optimization.stage": 2}),
-    Layout("pp2_dp2_zero1_2_micro_batches", GPT, 4, {**PP2, **TWO_MICRO_BATCHES, "zero_optimization.stage": 1}),
+    # The last stage's untied head through the fused loss, its gradients computed in the forward and
+    # scaled by the pipeline's 1/accumulation in backward.
+    Layout(
+        "pp2_dp2_zero1_2_micro_batches_llama_fused_loss",
+        LLAMA,
+        4,
+        {**PP2, **TWO_MICRO_BATCHES, "zero_optimization.stage": 1, "model.loss": "fused"},
+    ),
     Layout("pp2_tp2", GPT, 4, SHARED_RUNS["gpt_pp2_tp2"].layout, shared="gpt_pp2_tp2"),
     # PP2 x TP2 x DP2 on 8 ranks: test_deepspeeds_spellings_train_the_engines_layout_as_one_process,
     # which writes it as DeepSpeed's users do.

@@ -329,11 +329,13 @@ def test_plan_activations_shrink_with_tensor_parallelism_and_checkpointing():
     assert whole.stage_bytes(0, 2, NONE) > split.stage_bytes(0, 2, NONE) > split.stage_bytes(0, 2, EVERY_BLOCK)
     assert whole.boundaries == [4 * 32 * 32] and whole.hidden == 32
     # The peak comes with one layer's gradients in flight, or, on the last stage, the full loss's three
-    # fp32 tensors of logits where they are larger.
+    # fp32 tensors of logits where they are larger; the last stage adds the final RMSNorm's input in
+    # fp32 (4 bytes), its normalised states and its output (2 bytes each), per token and width.
     wide = {**section, "vocab_size": 4096, "loss": "full"}
     first_layer = LLAMA.plan_activations(PlanShape(wide, {"seq_len": 32}, None, (), 2, 1, 4, 2)).stage_bytes
     layer = first_layer(0, 1, NONE) // 2
-    assert first_layer(1, 1, NONE) - first_layer(0, 1, NONE) == 3 * 4 * 4 * 32 * 4096 - layer
+    final_norm = 4 * 32 * 32 * (4 + 2 + 2)
+    assert first_layer(1, 1, NONE) - first_layer(0, 1, NONE) == 3 * 4 * 4 * 32 * 4096 - layer + final_norm
 
 
 # -- Checkpoints -------------------------------------------------------------------------------

@@ -342,7 +342,8 @@ def test_without_an_accelerator_a_rank_holds_everything_in_host_memory():
     # model per token (models/gpt.py), and at the peak the larger of one layer's gradients in flight and
     # the full loss's three fp32 logits-sized tensors (ZeRO-3's head takes "auto" to the full loss).
     layer = seq_len * micro * HIDDEN * 28 * 4
-    activations = LAYERS * layer + max(layer, 3 * 4 * seq_len * micro * VOCAB)
+    final_norm = seq_len * micro * HIDDEN * 2 * 4  # the final LayerNorm's input and output
+    activations = LAYERS * layer + final_norm + max(layer, 3 * 4 * seq_len * micro * VOCAB)
     private = 8 * 5000
 
     cpu = plan_run(config, machine("cpu", 1), sizes)
