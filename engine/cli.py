@@ -72,7 +72,7 @@ def train_main(argv: list[str] | None = None) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from engine.config import ConfigError, load_config
     from engine.launch.hardware import detect_hardware
-    from engine.launch.ops import device_capabilities, op_problems, ops_needed
+    from engine.launch.ops import known_op_problems, ops_needed
     from engine.parallel.layout import parallel_layout
     from engine.prepare import RunError, check_data, check_nvme
 
@@ -90,7 +90,7 @@ def _validate(args: argparse.Namespace) -> int:
             lines = "\n  ".join(problems)
             print(f"ssh pre-flight failed (pdsh could not start these nodes):\n  {lines}", file=sys.stderr)
             return 2
-    hardware = detect_hardware(local_world_size=args.world_size)
+    hardware = detect_hardware(local_world_size=args.world_size, recalled=True)
     try:
         config = load_config(
             args.config,
@@ -105,7 +105,7 @@ def _validate(args: argparse.Namespace) -> int:
         return 2
     # The DeepSpeed ops the run will build, checked (compiler, arch list) but not built.
     ops = [] if args.no_hardware_check else ops_needed(config.document, hardware.device_type)
-    problems = op_problems(ops, device_capabilities()) if ops else []
+    problems = known_op_problems(ops) if ops else []
     if not args.no_hardware_check:
         try:
             check_nvme(config, hardware)  # this machine's nvme_path, as the run's pre-flight checks it

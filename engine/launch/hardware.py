@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-import torch
+from engine.launch.machine_cache import recall, remember
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,19 @@ class Hardware:
     name: str = "CPU"  # torch.cuda.get_device_name() on a GPU: what the peak-FLOPs table matches
 
 
+@dataclass(frozen=True)
+class _Device:
+    """What torch tells of the device: the fields of Hardware that cost an import of torch."""
+
+    device_type: str
+    bf16_supported: bool
+    fp16_supported: bool
+    name: str = "CPU"
+
+
 def _cpu_fp16_supported() -> bool:
+    import torch
+
     # DeepSpeed's CPU accelerator asks oneDNN the same question.
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
@@ -31,26 +43,40 @@ def _cpu_fp16_supported() -> bool:
         return False
 
 
-def detect_hardware(local_world_size: int | None = None) -> Hardware:
+def _ask_torch() -> _Device:
+    """The device as torch sees it, stored for this boot (engine/launch/machine_cache.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = _Device("cuda", torch.cuda.is_bf16_supported(), True, torch.cuda.get_device_name())
+    else:
+        # bf16 runs on any CPU but is emulated and slow on most; it is allowed, never chosen by "auto".
+        device = _Device("cpu", True, _cpu_fp16_supported())
+    remember("hardware", asdict(device))
+    return device
+
+
+def detect_hardware(local_world_size: int | None = None, *, recalled: bool = False) -> Hardware:
     """Facts about this machine; `local_world_size` defaults to what the launcher says (torchrun's
-    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE)."""
+    LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE). `recalled`: take torch's answers from
+    this boot's machine cache where a process that imported torch stored them (`validate`, which
+    need not import torch), else ask torch."""
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     omp = os.environ.get("OMP_NUM_THREADS")
     omp_num_threads = int(omp) if omp and omp.isdigit() and int(omp) > 0 else None
     cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if torch.cuda.is_available():
-        return Hardware(
-            "cuda",
-            torch.cuda.is_bf16_supported(),
-            True,
-            cpu_count,
-            local_world_size,
-            omp_num_threads,
-            torch.cuda.get_device_name(),
-        )
-    # bf16 runs on any CPU but is emulated and slow on most; it is allowed, never chosen by "auto".
-    return Hardware("cpu", True, _cpu_fp16_supported(), cpu_count, local_world_size, omp_num_threads)
+    stored = recall("hardware") if recalled else None
+    device = _Device(**stored) if stored else _ask_torch()
+    return Hardware(
+        device.device_type,
+        device.bf16_supported,
+        device.fp16_supported,
+        cpu_count,
+        local_world_size,
+        omp_num_threads,
+        device.name,
+    )
 
 
 # Dense peak FLOP/s (no 2:4 sparsity) from the vendors' datasheets: NVIDIA A100, H100, H200, L4,

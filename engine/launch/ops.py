@@ -28,11 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from engine.launch.machine_cache import recall, remember
 
 _ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"
 # An entry torch accepts as a number: major.minor, an architecture-specific suffix (9.0a, 12.0f), +PTX.
 _ARCH_ENTRY = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")
+# What else the pre-flight reads of the environment: where compilers and ninja are found, the
+# compiler, torch's extension folder and CUDA install, the arch list, DeepSpeed's accelerator.
+_PREFLIGHT_ENV = ("PATH", "CXX", "TORCH_EXTENSIONS_DIR", "CUDA_HOME", "CUDA_PATH", _ARCH_LIST_ENV, "DS_ACCELERATOR")
 _ERROR_LINES = 8  # of a failed build's output: the compiler's last words, where the cause is
 
 
@@ -118,6 +121,8 @@ def normalized_arch_list(value: str | None, device_capabilities: list[tuple[int,
 
 def device_capabilities() -> list[tuple[int, int]]:
     """The compute capabilities of the GPUs this process sees (none on a CPU)."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     return [torch.cuda.get_device_capability(index) for index in range(torch.cuda.device_count())]
@@ -137,6 +142,22 @@ def op_problems(ops: list[str], capabilities: list[tuple[int, int]]) -> list[str
     return _problems(_to_load(ops), capabilities)
 
 
+def known_op_problems(ops: list[str]) -> list[str]:
+    """`op_problems` on this machine's GPUs, without importing torch or DeepSpeed where a process of
+    this boot found the same ops buildable in the same environment (engine/launch/machine_cache.py).
+    Only that clean answer is stored: every problem is the live check's own, found again each time."""
+    if recall("ops", _preflight_setting(ops)) is not None:
+        return []
+    problems = op_problems(ops, device_capabilities())
+    if not problems:
+        remember("ops", True, _preflight_setting(ops))
+    return problems
+
+
+def _preflight_setting(ops: list[str]) -> dict[str, Any]:
+    return {"ops": sorted(ops), **{name: os.environ.get(name) for name in _PREFLIGHT_ENV}}
+
+
 def preflight_ops(ops: list[str], capabilities: list[tuple[int, int]], announce: Callable[[str], None] = print) -> None:
     """Check that every op of `ops` can be built here (all problems at once), then build or load each in
     this process, one build per node. Raises OpBuildError naming the op, the cause and the fix."""
@@ -144,6 +165,7 @@ def preflight_ops(ops: list[str], capabilities: list[tuple[int, int]], announce:
     problems = _problems(to_load, capabilities)
     if problems:
         raise OpBuildError("\n".join(problems))
+    remember("ops", True, _preflight_setting(ops))
     for name, builder in to_load:
         if _prebuilt(builder):
             builder.load(verbose=False)
@@ -183,6 +205,7 @@ def _prebuilt(builder: Any) -> bool:
 def _is_cuda_build(builder: Any) -> bool:
     """Whether DeepSpeed builds `builder` with nvcc: a CUDA op on a CUDA build of torch that sees a GPU
     (elsewhere DeepSpeed builds its CPU variant)."""
+    import torch
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
     return isinstance(builder, CUDAOpBuilder) and torch.version.cuda is not None and torch.cuda.is_available()
@@ -239,6 +262,8 @@ def _causes(name: str, builder: Any, capabilities: list[tuple[int, int]]) -> lis
 def toolkit_causes(cuda_home: str | None) -> list[tuple[str, str]]:
     """(cause, fix) where there is no nvcc at `cuda_home`, the CUDA install torch's extension builder
     found (torch.utils.cpp_extension.CUDA_HOME: CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda)."""
+    import torch
+
     fix = f"install the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it"
     if cuda_home is None:
         return [("no CUDA compiler: torch finds no CUDA_HOME (nor nvcc on PATH, nor /usr/local/cuda)", fix)]
@@ -250,6 +275,8 @@ def toolkit_causes(cuda_home: str | None) -> list[tuple[str, str]]:
 def _cuda_home_causes(cuda_home: str | None) -> list[tuple[str, str]]:
     if cuda_home is not None:
         return []
+    import torch
+
     fix = f"install the CUDA toolkit matching torch's CUDA {torch.version.cuda} and set CUDA_HOME to it"
     return [("torch finds no CUDA_HOME, which loading a cached CUDA op reads", fix)]
 

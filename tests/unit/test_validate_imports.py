@@ -1,7 +1,8 @@
 """`python -m engine validate`, the pre-flight of every launch, imports what checking a config
 needs and nothing a run needs: no datasets library, no transformers, no torch.distributed
 checkpointing or tensors; DeepSpeed only for its check of the ops the run will build on this
-machine, which --no-hardware-check skips."""
+machine, which --no-hardware-check skips and this boot's machine cache answers once warm
+(engine/launch/machine_cache.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.launch.hardware import Hardware, detect_hardware
+from engine.launch.machine_cache import cache_path, remember
+from engine.launch.ops import device_capabilities, known_op_problems, op_problems
 from tests.support.launch import ROOT
 
 RUN_ONLY = {"datasets", "transformers", "peft", "torch.distributed.checkpoint", "torch.distributed.tensor"}
@@ -38,3 +42,65 @@ def test_validate_imports_nothing_only_a_run_needs(tmp_path: Path, checks: str):
     assert sorted(RUN_ONLY & modules) == []
     if checks == "--no-hardware-check":
         assert sorted(name for name in modules if name.split(".")[0] == "deepspeed") == []
+
+
+def test_a_warm_machine_cache_spares_validate_deepspeed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The first validate of a boot asks DeepSpeed about the ops and stores the clean answer; the next
+    one reads it and imports none of DeepSpeed, hardware checks and all."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    validate_imports(tmp_path, "configs/zero2.json")
+    assert (tmp_path / "cache" / "dsengine" / "machine.json").is_file()
+    modules = validate_imports(tmp_path, "configs/zero2.json")
+    assert sorted(name for name in modules if name.split(".")[0] == "deepspeed") == []
+
+
+def _forged(cache: Path, change: dict) -> Hardware:
+    """Store hardware facts that differ from this machine's under this process's key with `change`
+    made to it, and return what detect_hardware then recalls."""
+    live = detect_hardware(local_world_size=1)
+    remember(
+        "hardware",
+        {
+            "device_type": "cuda",
+            "bf16_supported": not live.bf16_supported,
+            "fp16_supported": not live.fp16_supported,
+            "name": "forged",
+        },
+    )
+    stored = json.loads(cache.read_text())
+    stored["key"].update(change)
+    cache.write_text(json.dumps(stored))
+    return detect_hardware(local_world_size=1, recalled=True)
+
+
+@pytest.mark.parametrize("change", [{}, {"boot_id": "another boot"}, {"torch": "0.0"}, {"deepspeed": "0.0"}])
+def test_machine_facts_are_recalled_only_under_this_boot_and_these_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: dict
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    recalled = _forged(cache_path(), change)
+    if change:
+        assert recalled == detect_hardware(local_world_size=1)
+    else:  # the control: the file as written is the one read
+        assert (recalled.device_type, recalled.name) == ("cuda", "forged")
+
+
+def test_machine_facts_are_recalled_only_for_the_same_visible_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    live = detect_hardware(local_world_size=1)
+    remember("hardware", {"device_type": "cuda", "bf16_supported": True, "fp16_supported": True, "name": "forged"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert detect_hardware(local_world_size=1, recalled=True) == live
+
+
+def test_a_recalled_op_preflight_is_one_of_the_same_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A clean answer stored under one PATH is not the answer under another: there, with no ninja on
+    PATH, DeepSpeed's CPU Adam cannot be built, and the live check says so."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ops = ["cpu_adam"]
+    assert known_op_problems(ops) == op_problems(ops, device_capabilities())
+    monkeypatch.setenv("PATH", str(tmp_path))
+    problems = known_op_problems(ops)
+    assert problems == op_problems(ops, device_capabilities())
+    assert "ninja" in problems[0]
