@@ -1,4 +1,4 @@
-"""ALST's memory tiling for long sequences (model.tiled_mlp, model.loss "tiled" and "fused"): the MLP
+"""ALST's memory tiling (model.tiled_mlp, model.loss "tiled", "fused" and "auto"): the MLP
 and the loss computed over pieces of the sequence, so that neither the MLP's intermediate activations
 nor the logits of the whole sequence are ever held at once.
 
@@ -17,10 +17,13 @@ vocabulary-split head (parallelism/tensor.py) gathers each piece's logits; it is
 model's forward, so `trainer.compile` compiles it with the model where DeepSpeed compiles the whole
 module (accelerate compiles the blocks and transformers' loss function, not this).
 
-"tiled" and "fused" stay two names for two promises: "tiled" is this PyTorch loss on every device,
-"fused" is Liger-Kernel's fused linear cross-entropy (Triton: the head's gradient computed chunk by
-chunk in the forward, about the hidden states' size of logits at a time, and scaled by what arrives
-in backward, so every scaling above reaches it) wherever it can run, this loss elsewhere.
+"fused" computes the head's gradients in the forward, piece by piece, and scales them by what
+arrives in backward, so every scaling above reaches the head too, and nothing is computed twice:
+Liger-Kernel's fused linear cross-entropy (Triton) on CUDA where it is installed,
+`FusedLinearCrossEntropy` (the same algorithm in PyTorch) elsewhere. It needs the head's whole
+weight, so a head that ZeRO-3 or FSDP partitions or tensor parallelism splits takes "tiled".
+"auto", the default, is "fused" where the head is whole and the logits span more than one piece
+(where it holds less), and the model's own loss otherwise (`auto_is_fused`).
 """
 
 from __future__ import annotations
@@ -185,9 +188,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             # d(loss)/d(logits): softmax less one at the target, zero on ignored positions.
             grad = logits.softmax(dim=-1)
             del logits
-            kept = targets != IGNORE_INDEX
-            grad[kept, targets[kept]] -= 1
-            grad[~kept] = 0
+            # Static shapes throughout (no boolean indexing), so torch.compile keeps it in one graph.
+            kept = (targets != IGNORE_INDEX).unsqueeze(1)
+            grad.scatter_add_(1, torch.where(kept, targets.unsqueeze(1), 0), -kept.to(grad.dtype))
+            grad.mul_(kept)
             grad = grad.to(weight.dtype)
             end = start + len(targets)
             if grad_hidden is not None:

@@ -1,10 +1,11 @@
-"""model.tiled_mlp (DeepSpeed's TiledMLP) and model.loss "tiled" and "fused" (models/tiling.py; on
-the CPU "fused" is the tiled loss) compute what the untiled model computes: the same loss and
-gradients for GPT (tied head) and Llama (untied and tied), with masked labels, divided by a global
-target count or not, over several pieces of the MLP and of the loss; compiled into one graph, under
-ZeRO-3 and behind the vocabulary-split heads of tensor parallelism (a group of one here: two ranks
-train in tests/launched/test_model_parallel.py's tp2 row); the evaluation sums are the full logits'
-sums; evaluation without labels still gets the logits; no parameter is renamed."""
+"""model.tiled_mlp (DeepSpeed's TiledMLP) and model.loss "tiled", "fused" and "auto"
+(models/tiling.py; on the CPU "fused" is the engine's PyTorch fused linear cross-entropy) compute
+what the untiled model computes: the same loss and gradients for GPT (tied head) and Llama (untied
+and tied), with masked labels, divided by a global target count or not, over several pieces of the
+MLP and of the loss; compiled into one graph, under ZeRO-3 and behind the vocabulary-split heads of
+tensor parallelism (a group of one here: two ranks train in tests/launched/test_model_parallel.py's
+tp2 row); the evaluation sums are the full logits' sums; evaluation without labels still gets the
+logits; no parameter is renamed."""
 
 from __future__ import annotations
 
@@ -92,11 +93,12 @@ def test_evaluation_sums_the_pieces_as_the_full_logits_would(
 
 
 @pytest.mark.usefixtures("eight_pieces")
-def test_the_tiled_loss_compiles_into_one_graph_with_the_model(batch: dict[str, torch.Tensor]):
+@pytest.mark.parametrize("loss_name", LOSSES)
+def test_the_loss_compiles_into_one_graph_with_the_model(loss_name: str, batch: dict[str, torch.Tensor]):
     """As DeepSpeed's `engine.compile()` compiles it (`Module.compile`, which calls the instance's
-    forward): every piece and its checkpoint in one graph. AOT autograd without inductor's code
-    generation, which would cost half a minute of C++ compilation here."""
-    plain, tiled = built("llama"), built("llama", loss="tiled")
+    forward): every piece, with its checkpoint or its gradients, in one graph. AOT autograd without
+    inductor's code generation, which would cost half a minute of C++ compilation here."""
+    plain, tiled = built("llama"), built("llama", loss=loss_name)
     tiled.compile(backend="aot_eager", fullgraph=True)
     expected, loss = compute_loss(plain, batch), compute_loss(tiled, batch)
     expected.backward()
