@@ -119,7 +119,7 @@ def count(layout: Layout, run_dir: Path) -> list[dict]:
 
 def reads_row(quantity: str, loop: float, reads: float, judged: bool = True) -> Row:
     """Host reads per step against the loop's, their ratio taken over at least one read (the loop's
-    are 0 once transformers' mask stops reading, docs/design.md)."""
+    are 0 once transformers' mask stops reading, docs/design/models.md)."""
     return compare(quantity, loop, reads, Goal("engine", "<=", 0) if judged else None, ratio=reads / max(loop, 1.0))
 
 

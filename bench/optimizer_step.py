@@ -7,7 +7,7 @@ be measured without a GPU: the runs here keep GPT-2 124M's 148 tensors but shrin
 so compute is negligible and what remains is the per-tensor work a GPU would wait on.
 
 The baseline is `bf16.enabled` (bf16 weights, fp32 master); the engine column is `torch_autocast`
-(fp32 weights, FusedAdam on them), the route offered to close that gap (docs/design.md). Both
+(fp32 weights, FusedAdam on them), the route offered to close that gap (docs/design/precision.md). Both
 are the engine's own runs: the mean step of each log window, and the optimizer phase of its
 logged step (engine/observability/step_phases.py). Forward and backward are host work here too, as they are
 not on a GPU, so the mean step understates what the optimizer's share would be there.

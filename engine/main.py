@@ -20,7 +20,7 @@ _finished: list[int] = []  # the exit status of a run that returned, once it has
 def _end_without_teardown() -> None:
     """The last exit handler (registered before torch, DeepSpeed and transformers register theirs,
     so it runs after them): once a run has returned, every file is closed and every handler has
-    run, and unloading those libraries module by module costs 1-2 s of CPU per rank (docs/design.md)."""
+    run, and unloading those libraries module by module costs 1-2 s of CPU per rank (docs/design/failures.md)."""
     if _finished:
         sys.stdout.flush()
         sys.stderr.flush()

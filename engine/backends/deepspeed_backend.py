@@ -2,7 +2,7 @@
 accumulation, clipping, optimizer and LR schedule all come from `deepspeed.initialize` with the
 resolved config. This class adapts DeepSpeedEngine to the Backend interface, and adds what the
 engine needs beside it: under fp32 ZeRO-0, torch's gradient clipping and, on one data-parallel
-rank, no backward all-reduce (docs/design.md); the mending of ZeRO-3's universal loads; and the
+rank, no backward all-reduce (docs/design/precision.md); the mending of ZeRO-3's universal loads; and the
 fp32 masters read for the export.
 
 Under tensor parallelism the engine is given DeepSpeed's `PipelineParallelGrid` (one stage) as its

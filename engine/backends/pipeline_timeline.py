@@ -6,7 +6,7 @@ records are gathered to rank 0, put on one clock, measured and drawn. Two idle f
 reported, both `1 - busy / (p x span)`: the *measured bubble, in stage time* (the recorded order
 replayed with each stage's own pass costs, so machine noise and clock skew do not enter: what the
 formula describes) and the *wall-clock idle fraction* of the recorded times themselves. Why both,
-and how a pass's cost is taken: docs/design.md, "The pipeline bubble is measured by replaying the
+and how a pass's cost is taken: docs/design/observability.md, "The pipeline bubble is measured by replaying the
 recorded schedule in stage time".
 """
 

@@ -6,7 +6,7 @@ Both are written as `ds_to_universal` writes: per parameter the fp32 weight and 
 step, plus the optimizer's common state and the engine state DeepSpeed's universal loader reads, so
 `checkpoint.load_universal` cuts them like any conversion. Neither conversion holds the model and
 both Adam moments in memory at once. The story and its measurements: docs/checkpoints.md,
-"Resuming on another layout", and docs/design.md, "Reshaping goes through DeepSpeed's universal
+"Resuming on another layout", and docs/design/checkpoints.md, "Reshaping goes through DeepSpeed's universal
 checkpoint, with our names and cuts added".
 """
 

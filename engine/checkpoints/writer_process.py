@@ -2,7 +2,7 @@
 
 A process, not a thread: a thread's torch.save holds the GIL for much of its work, and a training
 thread that waits for the GIL at every operation ran at 0.47 of its speed beside one (at 0.94
-beside this process; docs/design.md). It runs at idle CPU priority, so where the host's cores are
+beside this process; docs/design/checkpoints.md). It runs at idle CPU priority, so where the host's cores are
 busy training it writes in their gaps; it ignores the signals that stop a run (its rank decides)
 and dies with its rank. This module imports the standard library only, so that what a spawned
 process imports first is nothing it need not.

@@ -283,7 +283,7 @@ def _single_rank_route(doc: dict, world_size: int) -> str:
 
 def _resolve_optimizer(doc: dict, hardware: Hardware) -> None:
     """The optimizer's "auto"s: torch's Adam wherever DeepSpeed would build FusedAdam (no compiler on
-    the default route, docs/design.md), its fused kernel where it steps parameters on a GPU; then the
+    the default route, docs/design/config.md), its fused kernel where it steps parameters on a GPU; then the
     schedule's, from the optimizer and the run."""
     params = doc["optimizer"]["params"]
     if params.get("torch_adam") == AUTO:
@@ -316,7 +316,7 @@ def _resolve_zero_buckets(zero: dict, hidden: int | None, data_parallel: int) ->
     bucket of max(40M, 1M x data-parallel ranks) elements (Megatron's `bucket_size`), and ZeRO-3
     prefetching DeepSpeed's 5e7. HF's n_embd^2 bucket (589,824 for GPT-2 124M) is smaller than every
     matrix of the model, so ZeRO-2 reduced one tensor per collective: 102 all-reduces a step on two
-    ranks, against 6 at 40M (docs/design.md). Parameters under 10 x the width stay whole under
+    ranks, against 6 at 40M (docs/design/parallelism.md). Parameters under 10 x the width stay whole under
     ZeRO-3, as HF sizes them: each would cost a gather for a few kB."""
     defaults = {
         "reduce_bucket_size": max(_REDUCE_BUCKET_FLOOR, 1_000_000 * data_parallel),

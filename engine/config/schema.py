@@ -319,7 +319,7 @@ _TORCH_AUTOCAST = _object(
     "DeepSpeed's torch.autocast route to bf16: fp32 weights, gradients and Adam states (the optimizer steps the "
     "weights themselves, no master copy), matrix products in bf16, as torch's autocast does. The same 16 bytes of "
     "model state per parameter as bf16 with an fp32 master, and a third to a sixth of its host operations per "
-    "optimizer step (docs/design.md). "
+    "optimizer step (docs/design/precision.md). "
     'Instead of bf16/fp16 ("auto" there turns off); DeepSpeed\'s whole-model engine only.',
     {
         "enabled": _boolean("Train under torch.autocast.", False),

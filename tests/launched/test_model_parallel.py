@@ -40,7 +40,7 @@ TWO_MICRO_BATCHES = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation
 # GPT-2 bias element), where one step of decay on a gain would be lr x weight_decay = 1e-4.
 # Tensor parallelism splits each matmul, so sums are reordered; Adam turns the last-bit
 # differences into visible steps for elements whose gradient is near eps, at most about lr per
-# step (docs/design.md, "The tiny ResNet of the tests").
+# step (docs/design/models.md, "The tiny ResNet of the tests").
 PIPELINE_WEIGHT_TOLERANCE = 1e-5
 TENSOR_WEIGHT_TOLERANCE = 1e-4
 

@@ -8,7 +8,7 @@ LOSS_TOLERANCE = 1e-5
 # With clipping on, ZeRO-1/2 sum the global gradient norm in fp64 where torch sums it in fp32; the
 # clip coefficients differ in the last bit, and Adam turns that into a visible step for the few
 # elements whose gradient is near eps. Such an element can move by at most about lr per step, so
-# the bound is one learning-rate step (docs/design.md, "The tiny ResNet of the tests").
+# the bound is one learning-rate step (docs/design/models.md, "The tiny ResNet of the tests").
 # configs/tiny_gpt.json decays by 0.1, so a gain wrongly decayed shrinks by lr x 0.1 = 1e-4 a step and
 # leaves the bound within its 5 steps: the bound still sees which parameters a backend decays.
 CLIPPED_WEIGHT_TOLERANCE = 1e-4

@@ -32,7 +32,7 @@ GPT_STEPS = {
     "gradient_clipping": 1.0,
     "scheduler": warm_up(1e-4, 1e-3),
 }
-# The tiny ResNet's parity holds at lr 1e-4 (docs/design.md, "The tiny ResNet of the tests"), the peak.
+# The tiny ResNet's parity holds at lr 1e-4 (docs/design/models.md, "The tiny ResNet of the tests"), the peak.
 RESNET_STEPS = {"trainer.max_steps": 6, "trainer.save_interval": 3, "scheduler": warm_up(2.5e-5, 1e-4)}
 # ResNet's data-parallel rows run unclipped, as the parity matrix's ResNet rows do (test_parity.py).
 RESNET_UNCLIPPED = {**RESNET_STEPS, "gradient_clipping": 0.0}

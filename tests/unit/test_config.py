@@ -420,7 +420,7 @@ def test_auto_values_are_resolved_from_engine_settings():
     assert on_cpu["trainer"]["peak_tflops"] is None  # no MFU claimed on a CPU
     on_gpu = resolve(check_document(document, 8, GPU), 8, GPU).document
     assert on_gpu["bf16"]["enabled"] is True
-    assert on_gpu["optimizer"]["params"]["torch_adam"] is True  # no compiler needed (docs/design.md)
+    assert on_gpu["optimizer"]["params"]["torch_adam"] is True  # no compiler needed (docs/design/config.md)
     assert on_gpu["optimizer"]["params"]["fused"] is True  # torch's fused AdamW, one launch per step
     assert on_gpu["trainer"]["peak_tflops"] == pytest.approx(989.5)  # H100 SXM, dense bf16
 

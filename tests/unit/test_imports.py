@@ -1,4 +1,4 @@
-"""The import directions of docs/design.md ("Code layout and import rules"), read from the source
+"""The import directions of docs/design/code-layout.md ("Code layout and import rules"), read from the source
 with `ast`: every import counts, under `TYPE_CHECKING` and inside functions too."""
 
 from __future__ import annotations
