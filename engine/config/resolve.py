@@ -23,6 +23,7 @@ from engine.launch.deepspeed_plugin import PLUGIN_TO_CONFIG, deepspeed_plugin_se
 from engine.launch.detect import effective_backend
 from engine.launch.hardware import Hardware, device_peak_flops
 from models import get_family
+from models.tile_sizes import tiled_loss_pieces
 
 # Megatron-LM's smallest gradient bucket; DeepSpeed's ZeRO-3 prefetch and persistence defaults.
 _REDUCE_BUCKET_FLOOR = 40_000_000
@@ -120,6 +121,7 @@ class EngineConfig:
         degree = self.parallel.tensor_parallel_size
         document = copy.deepcopy(self.document)
         document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
+        _resolve_loss(document)
         return EngineConfig(document, self.world_size, self.source, self.rerouted, self.notices)
 
 
@@ -148,6 +150,7 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         doc["data"]["pin_memory"] = hardware.device_type == "cuda"
     trainer = doc["trainer"]
     trainer["backend"] = effective_backend(trainer["backend"])
+    _resolve_loss(doc)
     if trainer["output_dir"] == AUTO:
         trainer["output_dir"] = str(Path("runs") / (source.stem if source else "default"))
     for monitor in ("tensorboard", "csv_monitor"):
@@ -165,6 +168,23 @@ def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | 
         peak = device_peak_flops(hardware.name, config.compute_precision)
         trainer["peak_tflops"] = None if peak is None else peak / 1e12
     return EngineConfig(doc, world_size, source, rerouted)
+
+
+def _resolve_loss(doc: dict) -> None:
+    """A decoder's `model.loss: "auto"` once its vocabulary is known: "fused" where the head is whole
+    on its rank (no ZeRO-3, FSDP, tensor or pipeline split) and a micro-batch's longest fp32 logits
+    span more than one piece, so that it holds less; "full" otherwise (models/tiling.py)."""
+    model, parallel = doc["model"], doc["parallel"]
+    if model.get("loss") != AUTO or model.get("vocab_size", AUTO) == AUTO:
+        return
+    if doc["trainer"]["backend"] == "accelerate":
+        sharded = ACCELERATE_WRAPPERS.get(doc["zero_optimization"]["stage"]) != "ddp"
+    else:
+        sharded = doc["zero_optimization"]["stage"] == 3
+    split = parallel["tensor_parallel_size"] > 1 or parallel["pipeline_parallel_size"] > 1
+    tokens = doc["train_micro_batch_size_per_gpu"] * doc["data"]["seq_len"] // parallel["sequence_parallel_size"]
+    fused = not sharded and not split and tiled_loss_pieces(tokens, model["vocab_size"]) > 1
+    model["loss"] = "fused" if fused else "full"
 
 
 def settle_training_arguments(document: dict) -> dict:

@@ -117,3 +117,19 @@ def test_the_table_gives_each_rank_its_sequence_shard():
     assert header.split()[:5] == ["rank", "stage", "tp", "dp", "sp"]
     assert [row.split()[4] for row in rows] == ["0", "1"]
     assert "sp" not in table(planned(2, 1)).splitlines()[1].split()
+
+
+@pytest.mark.parametrize(
+    "sets, world_size, expected",
+    [
+        (["model.vocab_size=256"], 1, "full"),  # the logits of a micro-batch are one piece
+        (["model.vocab_size=131072", "data.seq_len=512"], 1, "fused"),  # 512 MiB of logits: four pieces
+        # A head that ZeRO-3 partitions (on one rank ZeRO-3 takes the single-rank route, whole).
+        (["model.vocab_size=131072", "data.seq_len=512", "zero_optimization.stage=3"], 2, "full"),
+    ],
+    ids=["one_piece", "four_pieces", "zero3"],
+)
+def test_the_resolved_config_says_which_loss_auto_is(sets: list[str], world_size: int, expected: str):
+    hardware = detect_hardware(local_world_size=world_size)
+    config = load_config(LLAMA, ["model.max_position_embeddings=1024", *sets], world_size=world_size, hardware=hardware)
+    assert config.model.loss == expected
