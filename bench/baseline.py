@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from data import DataBundle, make_eval_loader, make_train_loader
+from data import DataBundle
+from data.loader import make_eval_loader, make_train_loader
 from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig
 from models import ModelFamily, get_family
@@ -50,7 +51,7 @@ def torch_loop(
     groups = parameter_groups(model.parameters(), doc["optimizer"], config.trainer.weight_decay_on)
     optimizer = build_optimizer(doc["optimizer"], groups, fused=device.type == "cuda" if fused is None else fused)
     scheduler = build_scheduler(doc.get("scheduler"), optimizer)
-    accumulation, clipping = doc["gradient_accumulation_steps"], doc["gradient_clipping"]
+    accumulation, clipping = config.batch.gradient_accumulation_steps, doc["gradient_clipping"]
     if config.trainer.compile:
         model.compile()
 
@@ -110,15 +111,15 @@ def build_baseline(
     """The `kind` ("torch" or "deepspeed") loop on the engine's resolved config and data; `fused`
     as `torch_loop` takes it."""
     family = get_family(config.model.family)
-    trainer, doc = config.trainer, config.document
+    trainer = config.trainer
     # The engine seeds right before it builds the model, so both start from the same weights.
     seed_everything(trainer.seed)
     options = {"fused": fused} if kind == "torch" else {}  # DeepSpeed's optimizer follows the config
     step, model = LOOPS[kind](family.build(config.model.fields).to(device).train(), config, family, **options)
     batches = make_train_loader(
         bundle.train,
-        micro_batch_size=doc["train_micro_batch_size_per_gpu"],
-        grad_accum=doc["gradient_accumulation_steps"],
+        micro_batch_size=config.batch.micro_batch_size,
+        grad_accum=config.batch.gradient_accumulation_steps,
         dp_rank=0,
         dp_size=1,
         seed=trainer.seed,
@@ -133,7 +134,7 @@ def evaluate(baseline: Baseline, device: torch.device) -> float:
     config, model, family = baseline.config, baseline.model, baseline.family
     validation = make_eval_loader(
         baseline.bundle.validation,
-        micro_batch_size=config.document["train_micro_batch_size_per_gpu"],
+        micro_batch_size=config.batch.micro_batch_size,
         dp_rank=0,
         dp_size=1,
         max_batches=config.trainer.eval_batches,

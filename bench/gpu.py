@@ -39,6 +39,7 @@ from engine.config import load_config
 from engine.launch.hardware import detect_hardware, device_peak_flops
 from engine.observability.flops import mfu
 from engine.plan import plan_run
+from engine.prepare import check_data
 from models import get_family
 
 CONFIG = ROOT / "configs" / "gpt2_124m.json"
@@ -247,7 +248,8 @@ def offload(settings: Settings) -> Result:
         return [*OFFLOAD, *layout, f"model.n_layer={layers}", f"model.n_embd={width}", f"model.n_head={heads}"]
 
     def fits(sets: list[str]) -> bool:
-        plan = plan_run(load_config(CONFIG, sets, world_size=1, hardware=detect_hardware(local_world_size=1)))
+        config = load_config(CONFIG, sets, world_size=1, hardware=detect_hardware(local_world_size=1))
+        plan = plan_run(check_data(config)[0])
         return plan.device_peak <= device_memory and plan.host_total <= host_memory
 
     plain = [size for size in OFFLOAD_SIZES if fits(sized(size, ["zero_optimization.stage=0"]))]

@@ -48,6 +48,7 @@ from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import free_port
 from engine.plan import plan_run
 from engine.plan.shapes import build_on_meta
+from engine.prepare import check_data
 from models import get_family
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
@@ -153,7 +154,7 @@ def largest_trained(mode: str, overrides: list[str], cap: int) -> list[Trial]:
     trials = []
     for size in SIZES:
         sets = sized(mode, size, trial_dir(mode, size), overrides)
-        planned = plan_run(load(sets)).host_total
+        planned = plan_run(check_data(load(sets))[0]).host_total
         if planned > BUDGET:
             error = f"planned {planned / 2**30:.2f} GiB, not launched"
             trials.append(Trial(size, parameter_count(CONFIG, sets), None, 0, error))

@@ -42,6 +42,7 @@ from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import free_port
 from engine.plan import plan_run
+from engine.prepare import check_data
 
 CONFIG = ROOT / "configs" / "llama_tiny.json"
 MODEL = [
@@ -88,7 +89,7 @@ def launch_sets(degree: int, length: int, threads: int) -> list[str]:
 def planned_activations(sets: list[str], ranks: int) -> int:
     """The planner's activation bytes on the busiest rank of the launch `sets` describe."""
     config = load_config(CONFIG, sets, world_size=ranks, hardware=detect_hardware(local_world_size=ranks))
-    return max(rank.activations for rank in plan_run(config).ranks)
+    return max(rank.activations for rank in plan_run(check_data(config)[0]).ranks)
 
 
 def trial(degree: int, length: int, threads: int) -> Trial:

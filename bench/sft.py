@@ -136,7 +136,7 @@ def engine_trial(overrides: list[str], run_dir: Path) -> Trial:
     config = load_config(CONFIG, overrides, world_size=1, hardware=detect_hardware(local_world_size=1))
     train = load_data(config).train
     per_sample = sample_tokens(train.selection.lengths, getattr(train, "windows", None))
-    tokens = engine_step_tokens(per_sample, len(records), config.document["train_batch_size"], config.trainer.seed)
+    tokens = engine_step_tokens(per_sample, len(records), config.batch.train_batch_size, config.trainer.seed)
     return Trial([r["time"] for r in records], [r["loss"] for r in records], tokens)
 
 

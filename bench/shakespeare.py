@@ -47,7 +47,7 @@ def validation_split(config: EngineConfig) -> ValidationSplit:
     """How many evaluation batches cover the whole validation split (the engine evaluates a fixed
     number of micro-batches, cycling the split if asked for more)."""
     samples = len(load_data(config).validation)
-    micro_batch = config.document["train_micro_batch_size_per_gpu"]
+    micro_batch = config.batch.micro_batch_size
     return ValidationSplit(samples // micro_batch, micro_batch, config.data.seq_len, samples)
 
 

@@ -165,7 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
     from engine.launch.hardware import detect_hardware
     from engine.plan import data_sizes, explain, parse_bytes, plan_run, suggest, table, verdict
     from engine.plan.report import describe_candidate
-    from engine.prepare import RunError, check_data, check_lora_targets
+    from engine.prepare import RunError, check_data, check_lora_targets, settle_vocabulary
 
     try:
         device_memory = parse_bytes(args.device_memory) if getattr(args, "device_memory", None) else None
@@ -189,6 +189,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         config = load([])
         absent = config.model.init_from is not None and not Path(config.model.init_from).exists()
+        bundle = None
         if absent:
             # Its tokenizer is there too: the data cannot be read, and is not counted.
             check_lora_targets(config)
@@ -217,7 +218,9 @@ def _plan(args: argparse.Namespace) -> int:
     if text:
         print(text)
     if args.suggest:
-        candidates = suggest(config, load, device_memory, host_memory, hardware, data)
+        # Each layout's vocabulary as a launch settles it, from the tokenizer of the data read once above.
+        settled = load if bundle is None else lambda extra: settle_vocabulary(load(extra), bundle)
+        candidates = suggest(config, settled, device_memory, host_memory, hardware, data)
         print(f"{len(candidates)} layout(s) fit, cheapest communication first:")
         for candidate in candidates:
             print("  " + describe_candidate(candidate))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,8 +19,9 @@ from engine.checkpoints.nvme import resume_problem
 from engine.checkpoints.reshape import CheckpointManifest, needs_conversion, read_manifest
 from engine.checkpoints.store import CheckpointRef, published_tags, resume_target
 from engine.config import ConfigError, ConfigIssue, EngineConfig, load_config
-from engine.config.stop_settings import parse_duration
-from engine.failures.faults import Fault, fault_from_env
+from engine.config.rules import exempts_vectors
+from engine.config.stop_settings import StopSettings
+from engine.failures.faults import fault_from_env
 from engine.failures.preemption import estimated_save_s
 from engine.launch.deepspeed_plugin import deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import launch_problems
@@ -30,6 +30,7 @@ from engine.launch.nvme import nvme_paths, nvme_problems
 from engine.launch.ops import prepare_ops
 from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import env_world_size
+from engine.run_description import RunDescription
 from models import get_family
 from models.lora import target_problems
 from models.module_state import count_parameters
@@ -52,7 +53,7 @@ def load_data(config: EngineConfig) -> DataBundle:
         )
         # The sampler's own check, here rather than in the first step, after every process group.
         if not bundle.streamed:
-            batches_per_epoch(len(bundle.train), config.document["train_batch_size"])
+            batches_per_epoch(len(bundle.train), config.batch.train_batch_size)
     except (ValueError, FileNotFoundError) as error:
         raise RunError(f"data error: {error}") from None
     return bundle
@@ -155,26 +156,12 @@ def check_lora_targets(config: EngineConfig) -> None:
         raise ConfigError(issues, str(config.source))
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What `prepare` established before any process group: the run may now start."""
-
-    config: EngineConfig
-    data: DataBundle
-    hardware: Hardware
-    resume: CheckpointRef | None
-    saved_manifest: CheckpointManifest | None  # the manifest of the checkpoint resumed from
-    manifest: CheckpointManifest  # this run's, recorded with each of its checkpoints
-    reshape: bool  # saved on another layout: resume through a universal checkpoint
-    fault: Fault | None
-    parameters: int = 0  # the model's, counted where trainer.max_wall_time needs a save's duration
-
-
-def prepare(config_path: str, overrides: list[str]) -> Prepared:
-    """Everything that can fail because of user input, done before any process group exists."""
+def prepare(config_path: str, overrides: list[str]) -> RunDescription:
+    """Everything that can fail because of user input, done before any process group exists; the
+    run as it will be, settled once (engine/run_description.py)."""
     hardware = detect_hardware()
     config = load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
-    check_launch(config, config_path, overrides, hardware)
+    check_launch(config, config_path)
     torch.set_num_threads(config.trainer.threads_per_rank)
     bundle = load_data(config)
     try:
@@ -182,7 +169,7 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         check_steps_left(resume, config.trainer.max_steps)
         saved = read_manifest(resume.path) if resume else None
         if saved is not None and config.rerouted and saved.zero_stage != config.zero_stage:
-            config = keep_configured_stage(config_path, overrides, hardware, resume, saved)
+            config = keep_configured_stage(config, resume, saved)
         if resume is not None:
             others = [tag for tag in reversed(published_tags(resume.root)) if tag != resume.tag]
             check_intact(resume.path, saved, others)
@@ -195,29 +182,48 @@ def prepare(config_path: str, overrides: list[str]) -> Prepared:
         if resume is not None:
             check_nvme_resume(config, resume, reshape)
         fault = fault_from_env()
-        parameters = check_wall_time(config)
+        stops = StopSettings.from_trainer(config.trainer)
+        parameters = check_wall_time(config, stops)
         check_nvme(config, hardware)
         prepare_ops(config.document, hardware.device_type)  # last: it may build for minutes
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise RunError(str(error)) from None
-    return Prepared(config, bundle, hardware, resume, saved, manifest, reshape, fault, parameters)
+    deepspeed_config = config.deepspeed_config()
+    if reshape:
+        # DeepSpeed must know at initialisation that it loads its optimizer from a universal checkpoint.
+        deepspeed_config["checkpoint"] = {"load_universal": True}
+    return RunDescription(
+        config=config,
+        data=bundle,
+        hardware=hardware,
+        batch=config.batch,
+        layout=parallel_layout(config),
+        stops=stops,
+        vocab_size=manifest.vocab_size,
+        deepspeed_config=deepspeed_config,
+        resume=resume,
+        saved_manifest=saved,
+        manifest=manifest,
+        reshape=reshape,
+        fault=fault,
+        parameters=parameters,
+    )
 
 
-def check_wall_time(config: EngineConfig) -> int:
+def check_wall_time(config: EngineConfig, stops: StopSettings) -> int:
     """The model's parameter count where trainer.max_wall_time is set (0 elsewhere), after refusing a
     limit shorter than one save of the model (its checkpointed bytes at a conservative write rate):
     such a run would stop before its first step. Counted on the meta device: nothing is allocated."""
-    limit = config.trainer.max_wall_time
-    if limit is None:
+    if stops.wall_time_s is None:
         return 0
     family = get_family(config.model.family)
     with torch.device("meta"):
         parameters = count_parameters(family.build(config.model.fields))
     save_s = estimated_save_s(parameters)
-    if parse_duration(limit) <= save_s:
+    if stops.wall_time_s <= save_s:
         raise ValueError(
-            f"trainer.max_wall_time {limit!r} is shorter than one save of this model (about {save_s:.0f} s for "
-            f"{parameters:,} parameters); allow more time"
+            f"trainer.max_wall_time {config.trainer.max_wall_time!r} is shorter than one save of this model "
+            f"(about {save_s:.0f} s for {parameters:,} parameters); allow more time"
         )
     return parameters
 
@@ -262,7 +268,7 @@ def check_nvme_resume(config: EngineConfig, resume: CheckpointRef, reshape: bool
         raise ValueError(f"trainer.resume: {problem}")
 
 
-def check_launch(config: EngineConfig, config_path: str, overrides: list[str], hardware: Hardware) -> None:
+def check_launch(config: EngineConfig, config_path: str) -> None:
     """The launcher's own settings against the config: one RunError naming every disagreement.
 
     accelerate's DeepSpeed plugin is held to the config as written: the ZeRO stage 0 and autocast
@@ -270,7 +276,7 @@ def check_launch(config: EngineConfig, config_path: str, overrides: list[str], h
     problems = launch_problems(config.trainer.backend, config.precision, config.world_size, Path(config_path))
     plugin = deepspeed_plugin_settings()
     if plugin is not None:
-        written = load_without_fast_path(config_path, overrides, hardware) if config.rerouted else config
+        written = config.as_configured
         problems += deepspeed_plugin_problems(
             plugin, Path(config_path), written.trainer.backend, written.precision, written.document
         )
@@ -278,24 +284,15 @@ def check_launch(config: EngineConfig, config_path: str, overrides: list[str], h
         raise RunError("launch error:\n  " + "\n  ".join(problems))
 
 
-def load_without_fast_path(config_path: str, overrides: list[str], hardware: Hardware) -> EngineConfig:
-    """The config with its stage and precision as written, where one rank would have rerouted them."""
-    overrides = [*overrides, "trainer.single_rank_fast_path=false"]
-    return load_config(config_path, overrides, world_size=env_world_size(), hardware=hardware)
-
-
-def keep_configured_stage(
-    config_path: str, overrides: list[str], hardware: Hardware, resume: CheckpointRef, saved: CheckpointManifest
-) -> EngineConfig:
+def keep_configured_stage(config: EngineConfig, resume: CheckpointRef, saved: CheckpointManifest) -> EngineConfig:
     """The config as written, for a one-rank resume of a checkpoint saved under ZeRO-1/2/3: DeepSpeed
     loads such a checkpoint into a ZeRO stage only (its universal form holds partitioned optimizer
     states), so `trainer.single_rank_fast_path` must not turn the stage into 0."""
-    config = load_without_fast_path(config_path, overrides, hardware)
     reason = (
         f"one rank, but checkpoint {resume.path} was saved under ZeRO-{saved.zero_stage}, which loads into a "
         "ZeRO stage only: the stage and precision stay as configured"
     )
-    return dataclasses.replace(config, rerouted=reason)
+    return dataclasses.replace(config.as_configured, rerouted=reason)
 
 
 def check_steps_left(resume: CheckpointRef | None, max_steps: int) -> None:
@@ -311,7 +308,6 @@ def check_steps_left(resume: CheckpointRef | None, max_steps: int) -> None:
 def checkpoint_manifest(config: EngineConfig, bundle: DataBundle) -> CheckpointManifest:
     """The record every checkpoint of this run keeps (`engine.checkpoints.reshape.CheckpointManifest`)."""
     layout = parallel_layout(config)
-    from engine.backends.optim import exempts_vectors  # DeepSpeed's optimizers: not for `validate`
 
     vocab_size = config.model.vocab_size if get_family(config.model.family).uses_vocabulary else None
     groups = 2 if exempts_vectors(config.document["optimizer"], config.trainer.weight_decay_on) else 1
@@ -326,7 +322,7 @@ def checkpoint_manifest(config: EngineConfig, bundle: DataBundle) -> CheckpointM
         vocab_size,
         groups,
         tokenizer,
-        config.document["train_batch_size"],
+        config.batch.train_batch_size,
         None if streamed else len(bundle.train),
         streamed,
         lora=config.model.fields.get("lora") is not None,

@@ -27,21 +27,21 @@ def run(config_path: str, overrides: list[str], hooks: StepHooks | None = None) 
     """One rank's whole run; the exit code. `hooks` step into the run (bench/paired.py pairs its
     baseline there); by default, the fault `ENGINE_FAULT` asks for, if any."""
     try:
-        prepared = prepare(config_path, overrides)
+        description = prepare(config_path, overrides)
     except (ConfigError, RunError) as error:
         # Every rank prints: the launcher ends the others as soon as the first one exits, so a
         # message left to rank 0 alone is lost whenever another rank gets there first.
         print(error, file=sys.stderr)
         return 2
 
-    trainer = prepared.config.trainer
+    trainer = description.config.trainer
     output = capture_rank_output(trainer.output_path / "logs", env_rank())
-    device = init_process_group(prepared.hardware.device_type, timeout_s=collective_timeout(trainer.comm_timeout_s))
+    device = init_process_group(description.hardware.device_type, timeout_s=collective_timeout(trainer.comm_timeout_s))
     watchdog = None
     if env_world_size() > 1:
         watchdog = Watchdog(env_rank(), env_world_size(), trainer.comm_timeout_s, output.announce).start()
     try:
-        code = Trainer(prepared, device, hooks or FaultHooks(prepared.fault, env_rank())).run()
+        code = Trainer(description, device, hooks or FaultHooks(description.fault, env_rank())).run()
         # Rank 0 is still drawing plots: the watchdog keeps watching until every rank is here.
         barrier()
     except Exception as error:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from data import make_eval_loader, make_train_loader
+from data.loader import make_eval_loader, make_train_loader
 from data.streaming import StreamedWindows, stream_micro_batches
 from engine.backends.base import Backend, Batch, StepHooks
 from engine.backends.factory import backend_settings, build_backend
@@ -17,7 +17,6 @@ from engine.backends.prefetch import DevicePrefetcher
 from engine.checkpoints.export import export_model, load_exported, sample_reply, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
-from engine.config.stop_settings import parse_duration, signal_number
 from engine.failures.nonfinite import NonfinitePolicy
 from engine.failures.preemption import StopRequests
 from engine.launch.signals import EXIT_PREEMPTED
@@ -25,9 +24,8 @@ from engine.loop import LoopSettings, train
 from engine.observability.metrics import MetricsLogger
 from engine.observability.plots import write_plots
 from engine.observability.sinks import build_sinks
-from engine.parallel.layout import parallel_layout
 from engine.parallel.process_group import barrier, is_main_process
-from engine.prepare import Prepared
+from engine.run_description import RunDescription
 from models import get_family
 from models.seeding import seed_everything
 
@@ -35,17 +33,17 @@ from models.seeding import seed_everything
 class Trainer:
     """One rank's training, from a built backend to the export."""
 
-    def __init__(self, prepared: Prepared, device: torch.device, hooks: StepHooks):
-        self.prepared, self.config, self.data = prepared, prepared.config, prepared.data
+    def __init__(self, description: RunDescription, device: torch.device, hooks: StepHooks):
+        self.description, self.config, self.data = description, description.config, description.data
         self.device, self.hooks = device, hooks
         self.family = get_family(self.config.model.family)
         self.output_dir = self.config.trainer.output_path
         self.checkpoints = CheckpointManager(
             self.output_dir,
-            prepared.resume,
-            prepared.manifest,
-            prepared.saved_manifest,
-            prepared.reshape,
+            description.resume,
+            description.manifest,
+            description.saved_manifest,
+            description.reshape,
             self.config.world_size,
             self.config.trainer.keep_checkpoints,
             before_publish=hooks.before_publish,
@@ -59,8 +57,8 @@ class Trainer:
         if is_main_process():
             (self.output_dir / "resolved_config.json").write_text(json.dumps(config.document, indent=2) + "\n")
         seed_everything(trainer_section.seed)
-        self.checkpoints.convert_source(config.document["train_batch_size"])
-        settings = backend_settings(config, self.family, self.device, self.hooks, self.prepared.reshape)
+        self.checkpoints.convert_source(self.description.batch.train_batch_size)
+        settings = backend_settings(self.description, self.family, self.device, self.hooks)
         backend, dp_rank = build_backend(settings)
         stream = self.data.train.windows(dp_rank, config.dp_size) if self.data.streamed else None
         start_step = self.checkpoints.resume(backend, stream)
@@ -72,7 +70,7 @@ class Trainer:
             total_steps=loop_settings.max_steps,
             start_step=start_step,
             progress_bar=trainer_section.progress_bar,
-            sinks=build_sinks(config.deepspeed_config(), backend.deepspeed_monitor()),
+            sinks=build_sinks(self.description.deepspeed_config, backend.deepspeed_monitor()),
         )
         self.announce(backend, logger, start_step)
         end = train(
@@ -108,12 +106,10 @@ class Trainer:
     def stop_requests(self) -> StopRequests | None:
         """Collective: the signals and wall-clock limit that stop the run early with a save, caught
         from here on (None where neither is asked for)."""
-        trainer_section = self.config.trainer
-        signals = [signal_number(name) for name in trainer_section.signals] if trainer_section.save_on_signal else []
-        limit = None if trainer_section.max_wall_time is None else parse_duration(trainer_section.max_wall_time)
-        if not signals and limit is None:
+        stops = self.description.stops
+        if not stops.asked:
             return None
-        return StopRequests(signals, trainer_section.signal_grace_s, limit).install()
+        return StopRequests(list(stops.signals), stops.grace_s, stops.wall_time_s).install()
 
     def loop_settings(self, stops: StopRequests | None = None) -> LoopSettings:
         """What the step loop needs of the config and the family, and nothing else."""
@@ -124,7 +120,7 @@ class Trainer:
             log_interval=trainer_section.log_interval,
             eval_interval=trainer_section.eval_interval,
             save_interval=trainer_section.save_interval,
-            items_per_step=config.document["train_batch_size"] * family.items_per_sample(data),
+            items_per_step=self.description.batch.train_batch_size * family.items_per_sample(data),
             throughput_key=family.throughput_key,
             world_size=config.world_size,
             nonfinite=NonfinitePolicy(
@@ -132,7 +128,7 @@ class Trainer:
             ),
             flops_per_item=family.flops_per_item(family.architecture(config.model.fields), data),
             peak_flops=None if trainer_section.peak_tflops is None else trainer_section.peak_tflops * 1e12,
-            parameters=self.prepared.parameters,
+            parameters=self.description.parameters,
             stops=stops,
         )
 
@@ -142,14 +138,14 @@ class Trainer:
         """This rank's micro-batches from `start_step` on: the sampler's arithmetic, each on its way to
         the device while the step before trains (`DevicePrefetcher`); or a stream's position, which
         counts what was taken from the stream, so a stream's batches move only when taken."""
-        config = self.config
-        micro_batch = config.document["train_micro_batch_size_per_gpu"]
+        config, batch = self.config, self.description.batch
+        micro_batch = batch.micro_batch_size
         if stream is not None:
             return stream_micro_batches(stream, micro_batch)
         loader = make_train_loader(
             self.data.train,
             micro_batch_size=micro_batch,
-            grad_accum=config.document["gradient_accumulation_steps"],
+            grad_accum=batch.gradient_accumulation_steps,
             dp_rank=dp_rank,
             dp_size=config.dp_size,
             seed=config.trainer.seed,
@@ -164,7 +160,7 @@ class Trainer:
         config = self.config
         return make_eval_loader(
             self.data.validation,
-            micro_batch_size=config.document["train_micro_batch_size_per_gpu"],
+            micro_batch_size=self.description.batch.micro_batch_size,
             dp_rank=dp_rank,
             dp_size=config.dp_size,
             max_batches=config.trainer.eval_batches,
@@ -178,13 +174,13 @@ class Trainer:
         description = backend.describe()
         if description is not None:
             logger.write(description)
-        layout = parallel_layout(config)
+        layout = self.description.layout
         if layout.model_parallel or layout.sequence > 1:
             logger.write(layout.describe(backend.stage_layers()))
         logger.write(
             f"training {config.model.label} on {config.world_size} rank(s), "
             f"{config.trainer.backend} backend, ZeRO stage {config.zero_stage}, {config.precision_label}, "
-            f"global batch {config.document['train_batch_size']}"
+            f"global batch {self.description.batch.train_batch_size}"
             + (", compiled (torch.compile)" if backend.compiled else "")
             + (f", resuming at step {start_step}" if start_step else "")
         )
@@ -192,9 +188,9 @@ class Trainer:
             logger.write(f"{config.rerouted} (trainer.single_rank_fast_path)")
         for notice in config.notices:
             logger.write(notice)
-        if self.prepared.saved_manifest is not None:
-            saved, now = self.prepared.saved_manifest.describe(), self.prepared.manifest.describe()
-            if self.prepared.reshape:
+        if self.description.saved_manifest is not None:
+            saved, now = self.description.saved_manifest.describe(), self.description.manifest.describe()
+            if self.description.reshape:
                 logger.write(f"resumed through a universal checkpoint: saved on {saved}, now {now}")
             elif saved != now:
                 logger.write(f"resumed on another layout: saved on {saved}, now {now}")

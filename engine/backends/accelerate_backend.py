@@ -65,7 +65,7 @@ class AccelerateBackend(Backend):
         document, family, device = settings.deepspeed_config, settings.family, settings.device
         self.family, self.device, self.hooks = family, device, settings.hooks
         self.wrapper = settings.accelerate_wrapper
-        self._accumulation = document["gradient_accumulation_steps"]
+        self._accumulation = settings.batch.gradient_accumulation_steps
         if settings.masked_labels:
             # DDP and FSDP2 average gradients over every rank, as the divisor assumes.
             self.target_count = TargetCount(self._accumulation, dist.get_world_size(), None)

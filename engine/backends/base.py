@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.backends.token_mean import TargetCount
+from engine.config.batch import BatchTriple
 from engine.config.rules import offloads
 from engine.observability.memory import StepWatch
 from engine.observability.step_phases import PhaseTimer
@@ -73,6 +74,7 @@ class BackendSettings:
     device: torch.device
     input_dtype: torch.dtype  # what floating inputs are cast to: the weights' dtype
     deepspeed_config: dict[str, Any]
+    batch: BatchTriple
     precision: str  # "fp32", "bf16" or "fp16": the weights' dtype in training
     weight_decay_on: str
     zero_stage: int

@@ -8,6 +8,7 @@ it to DeepSpeed, either whole (data and tensor parallelism) or as pipeline layer
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from contextlib import nullcontext
 
@@ -18,11 +19,10 @@ from engine.backends.base import Backend, BackendSettings, StepHooks
 from engine.backends.deepspeed_backend import DeepSpeedBackend, DeepSpeedEngineBackend
 from engine.backends.nvme_repairs import repair_swappers
 from engine.backends.pipeline_backend import PipelineBackend
-from engine.config import EngineConfig
 from engine.config.rules import labels_can_be_masked
-from engine.parallel.layout import parallel_layout
 from engine.parallel.sequence import enable_ulysses
 from engine.parallel.zero3_init import partition_built, partitioned_build
+from engine.run_description import RunDescription
 from models import ModelFamily
 from models.lora import apply_lora
 from parallelism.tensor import apply_tensor_parallel
@@ -31,25 +31,23 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def backend_settings(
-    config: EngineConfig, family: ModelFamily, device: torch.device, hooks: StepHooks, load_universal: bool = False
+    description: RunDescription, family: ModelFamily, device: torch.device, hooks: StepHooks
 ) -> BackendSettings:
-    """What every backend is built from. `load_universal`: the run resumes from a universal
-    checkpoint, which DeepSpeed must know at initialisation to load its optimizer so."""
-    ds_config = config.deepspeed_config()
-    if load_universal:
-        ds_config["checkpoint"] = {"load_universal": True}
+    """What every backend is built from: the run's description as the backends read it."""
+    config = description.config
     return BackendSettings(
         backend=config.trainer.backend,
         family=family,
         model_fields=config.model.fields,
         device=device,
         input_dtype=_DTYPES[config.precision],
-        deepspeed_config=ds_config,
+        deepspeed_config=copy.deepcopy(description.deepspeed_config),
+        batch=description.batch,
         precision=config.precision,
         weight_decay_on=config.trainer.weight_decay_on,
         zero_stage=config.zero_stage,
         accelerate_wrapper=config.accelerate_wrapper,
-        layout=parallel_layout(config),
+        layout=description.layout,
         pipeline_partition_method=config.parallel.pipeline_partition_method,
         pipeline_activation_checkpoint_interval=config.parallel.pipeline_activation_checkpoint_interval,
         hooks=hooks,
@@ -101,7 +99,7 @@ def with_adapters(model: torch.nn.Module, settings: BackendSettings) -> torch.nn
 def _deepspeed_backend(model: torch.nn.Module, settings: BackendSettings) -> tuple[DeepSpeedEngineBackend, int]:
     layout = settings.layout
     if layout.sequence > 1:
-        micro_batch = settings.deepspeed_config["train_micro_batch_size_per_gpu"]
+        micro_batch = settings.batch.micro_batch_size
         shards = enable_ulysses(model, layout.sequence, micro_batch, settings.zero_stage)
         # The ranks of one sequence-parallel group read their data replica's batches.
         return DeepSpeedBackend(model, settings, shards), torch.distributed.get_rank() // layout.sequence

@@ -15,11 +15,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime import lr_schedules
 from torch import nn
 
-
-def exempts_vectors(section: dict[str, Any], scope: str) -> bool:
-    """Whether `parameter_groups` puts the biases and gains in a group of their own: only when
-    there is decay to exempt them from."""
-    return scope == "matrices" and bool(section["params"].get("weight_decay", 0.0))
+from engine.config.rules import exempts_vectors
 
 
 def parameter_groups(parameters: Iterable[nn.Parameter], section: dict[str, Any], scope: str) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@ problem. Nothing here starts a process group or builds a model."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -135,4 +134,4 @@ def load_config(
     except ConfigError as error:
         raise ConfigError(error.issues, str(path)) from None
     config = resolve(filled, world_size, hardware, source=path)
-    return dataclasses.replace(config, notices=tuple(spelling_notices(document)))
+    return config.with_notices(tuple(spelling_notices(document)))

@@ -8,13 +8,14 @@ passed through, so the resolved config written to the output directory says exac
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from data.tokens.cache import default_cache_dir
-from engine.config.batch import solve_document_batch
+from engine.config.batch import BatchTriple, solve_document_batch
 from engine.config.rules import ACCELERATE_WRAPPERS, auto_bf16, auto_fp16, auto_torch_adam, data_parallel_size, offloads
 from engine.config.schema import AUTO, DEEPSPEED_PROPERTIES
 from engine.config.sections import DataSection, ModelSection, ParallelSection, TrainerSection, typed_section
@@ -46,6 +47,22 @@ class EngineConfig:
     # One line per deprecated DeepSpeed spelling, or DeepSpeed spelling of an engine key, the config
     # used, naming the key it was read as.
     notices: tuple[str, ...] = field(default=(), compare=False)
+    # The same document resolved without the single-rank route, where `rerouted` says it changed something.
+    unrouted: EngineConfig | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def as_configured(self) -> EngineConfig:
+        """The config with its ZeRO stage and precision as written: what accelerate's plugin is held to,
+        and what a one-rank resume of a ZeRO-1/2/3 checkpoint runs (engine/prepare.py)."""
+        return self.unrouted if self.unrouted is not None else self
+
+    @cached_property
+    def batch(self) -> BatchTriple:
+        """The solved batch triple (engine/config/batch.py), read by name rather than by DeepSpeed's keys."""
+        doc = self.document
+        return BatchTriple(
+            doc["train_batch_size"], doc["train_micro_batch_size_per_gpu"], doc["gradient_accumulation_steps"]
+        )
 
     @cached_property
     def model(self) -> ModelSection:
@@ -122,12 +139,27 @@ class EngineConfig:
         document = copy.deepcopy(self.document)
         document["model"]["vocab_size"] = -(-vocab_size // degree) * degree
         _resolve_loss(document)
-        return EngineConfig(document, self.world_size, self.source, self.rerouted, self.notices)
+        unrouted = None if self.unrouted is None else self.unrouted.with_vocab_size(vocab_size)
+        return EngineConfig(document, self.world_size, self.source, self.rerouted, self.notices, unrouted)
+
+    def with_notices(self, notices: tuple[str, ...]) -> EngineConfig:
+        unrouted = None if self.unrouted is None else self.unrouted.with_notices(notices)
+        return dataclasses.replace(self, notices=notices, unrouted=unrouted)
 
 
 def resolve(document: dict, world_size: int, hardware: Hardware, source: Path | None = None) -> EngineConfig:
     """Replace every "auto" in a valid, defaults-filled document (except the model's vocabulary
-    size, which waits for the tokenizer)."""
+    size, which waits for the tokenizer). Where `trainer.single_rank_fast_path` reroutes one rank, the
+    document is also resolved as written, once, beside it (`EngineConfig.as_configured`)."""
+    config = _resolved(document, world_size, hardware, source)
+    if not config.rerouted:
+        return config
+    written = copy.deepcopy(document)
+    written["trainer"]["single_rank_fast_path"] = False
+    return dataclasses.replace(config, unrouted=_resolved(written, world_size, hardware, source))
+
+
+def _resolved(document: dict, world_size: int, hardware: Hardware, source: Path | None) -> EngineConfig:
     doc = copy.deepcopy(document)
     _resolve_batch(doc, world_size)
     _resolve_precision(doc, hardware)

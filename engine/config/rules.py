@@ -64,6 +64,12 @@ def offloads(zero: dict) -> bool:
     return zero["offload_param"]["device"] != "none" or zero["offload_optimizer"]["device"] != "none"
 
 
+def exempts_vectors(section: dict[str, Any], scope: str) -> bool:
+    """Whether the optimizer puts the biases and gains in a group of their own
+    (engine/backends/optim.py `parameter_groups`): only when there is decay to exempt them from."""
+    return scope == "matrices" and bool(section["params"].get("weight_decay", 0.0))
+
+
 def auto_bf16(document: dict, hardware: Hardware) -> bool:
     """What bf16.enabled "auto" resolves to: bf16 on a CUDA device that has it, unless torch_autocast
     is the mixed precision asked for."""

@@ -179,14 +179,22 @@ def wait_for_stray_ranks(directory: Path) -> None:
     psutil.wait_procs(stray_ranks(str(directory)))
 
 
+def named_signal(name: str) -> signal.Signals:
+    """Signal `name`, with or without SIG ("SIGTERM", "TERM", "term"); ValueError for no such signal."""
+    spelled = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    try:
+        return signal.Signals[spelled]
+    except KeyError:
+        raise ValueError(f"{name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)") from None
+
+
 def _signal_number(text: str) -> int:
     """A signal given as a number or a name, with or without SIG ("15", "TERM", "SIGTERM")."""
     if text.isdigit():
         return int(text)
-    name = text.upper() if text.upper().startswith("SIG") else f"SIG{text.upper()}"
     try:
-        return signal.Signals[name]
-    except KeyError:
+        return named_signal(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a signal") from None
 
 

@@ -5,14 +5,13 @@ memory is allocated."""
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine.config import ConfigError, ConfigIssue, EngineConfig
+from engine.config import EngineConfig
+from engine.config.schema import AUTO
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.parallel.layout import Coordinates, ParallelLayout, parallel_layout
 from engine.plan.data import DataMemory, DataSizes, data_memory
@@ -190,41 +189,19 @@ def nvme_bytes(plan: Plan) -> dict[str, int]:
     return {path: max(sum(written(rank, path) for rank in node) for node in plan.nodes) for path in paths.values()}
 
 
-def settled(config: EngineConfig) -> EngineConfig:
-    """The config with `model.vocab_size: "auto"` replaced by the tokenizer's size, as the run
-    settles it (`engine.prepare.settle_vocabulary`)."""
-    family = get_family(config.model.family)
-    if not family.uses_vocabulary or config.model.fields.get("vocab_size", "auto") != "auto":
-        return config
-    size = _tokenizer_size(json.dumps(config.data.as_mapping(), sort_keys=True), family.samples, config.trainer.seed)
-    return config.with_vocab_size(size) if size is not None else config
-
-
-@functools.cache
-def _tokenizer_size(data_section: str, samples: str, seed: int) -> int | None:
-    """The tokenizer's vocabulary, built from the data as the run builds it (a char tokenizer
-    needs the whole corpus), once per data section: `plan --suggest` weighs hundreds of layouts
-    of one config."""
-    from data import build_datasets
-
-    data = json.loads(data_section)
-    bundle = build_datasets(
-        data, samples=samples, seed=seed, seq_len=data["seq_len"], vocab_size=None, num_classes=None
-    )
-    return bundle.vocab_size
-
-
 def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataSizes | None = None) -> Plan:
-    """The plan of a loaded config at its world size, on `hardware` (by default this machine, with
+    """The plan of a loaded config, its vocabulary settled from the data as a launch settles it
+    (`engine.prepare.check_data`), at its world size, on `hardware` (by default this machine, with
     every rank on it: the hardware `load_config` resolved the config against), with the data's
     memory when `data` gives its sizes (`engine.plan.data.data_sizes`)."""
     if hardware is None:
         hardware = detect_hardware(local_world_size=config.world_size)
-    try:
-        config = settled(config)
-    except (ValueError, FileNotFoundError) as error:
-        raise ConfigError([ConfigIssue("data", str(error))], str(config.source)) from None
     family = get_family(config.model.family)
+    if family.uses_vocabulary and config.model.fields.get("vocab_size", AUTO) == AUTO:
+        raise ValueError(
+            'plan_run plans a config whose model.vocab_size "auto" is settled from the data, as a launch settles '
+            "it: pass the config engine.prepare.check_data returns"
+        )
     layout = parallel_layout(config)
     numels, parts, model = stage_numels(config, family)
     # The accelerate backend has no pipeline or tensor parallelism: each rank holds the whole model's shapes.
@@ -232,8 +209,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     # model.lora's frozen base, which combines with neither (engine/config/rules.py): every rank's.
     frozen = [tuple(p.shape) for p in unique_parameters([model]) if not p.requires_grad]
     zero, optimizer = zero_settings(config, hardware.device_type != "cpu"), optimizer_kind(config)
-    document = config.document
-    micro, accumulation = document["train_micro_batch_size_per_gpu"], document["gradient_accumulation_steps"]
+    micro, accumulation = config.batch.micro_batch_size, config.batch.gradient_accumulation_steps
     element = 4 if config.compute_precision == "fp32" else 2
     checkpointing = config.model.activation_checkpointing
     if layout.pipeline > 1:

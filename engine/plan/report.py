@@ -317,7 +317,7 @@ def suggest(
     `hardware` and `data` are `plan_run`'s."""
     world = config.world_size
     divisors = [n for n in range(1, world + 1) if world % n == 0]
-    micro = config.document["train_micro_batch_size_per_gpu"]
+    micro = config.batch.micro_batch_size
     micro_batches = sorted({m for m in (micro, micro // 2, micro // 4, 1) if m >= 1}, reverse=True)
     offloads = {"none": [], "optimizer": ["zero_optimization.offload_optimizer.device=cpu"]}
     offloads["optimizer+param"] = offloads["optimizer"] + ["zero_optimization.offload_param.device=cpu"]
@@ -341,7 +341,7 @@ def suggest(
                                 f"parallel.tensor_parallel_size={tensor}",
                                 f"parallel.pipeline_parallel_size={pipeline}",
                                 f"train_micro_batch_size_per_gpu={size}",
-                                f"train_batch_size={config.document['train_batch_size']}",
+                                f"train_batch_size={config.batch.train_batch_size}",
                                 "gradient_accumulation_steps=auto",
                                 *checkpointing,
                             ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan import Plan, plan_run
+from engine.prepare import check_data
 from tests.support.launch import Run, _text
 
 EXACT_KEYS = {"parameter_bytes": "parameter", "gradient_bytes": "gradient", "optimizer_bytes": "optimizer"}
@@ -15,7 +16,7 @@ def assert_plan_matches_measured(run: Run, config: str, overrides: dict, world_s
     equal the bytes the rank held in the run's last logged step. Returns the plan."""
     sets = [f"{key}={_text(value)}" for key, value in overrides.items()]
     hardware = detect_hardware(local_world_size=world_size)
-    plan = plan_run(load_config(config, sets, world_size=world_size, hardware=hardware))
+    plan = plan_run(check_data(load_config(config, sets, world_size=world_size, hardware=hardware))[0])
     measured = run.records[-1]["ranks"]
     assert len(measured) == world_size, measured
     for predicted, held in zip(plan.ranks, measured, strict=True):

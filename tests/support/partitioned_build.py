@@ -1,5 +1,6 @@
-"""Run under the deepspeed launcher: build a backend the way a run does and record, on each rank,
-what the model held as `family.build` returned it and what DeepSpeed started from.
+"""Run under the deepspeed launcher: build a backend the way a run does (from `prepare`'s description)
+and record, on each rank, what the model held as `family.build` returned it and what DeepSpeed
+started from.
 
 Writes `<out>/rank<N>.json`: the elements the rank held right after the build, the model's full
 element count, whether transformers' ZeRO-3 integration was still switched on after the build, and
@@ -19,17 +20,16 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from engine.backends.base import StepHooks
 from engine.backends.factory import backend_settings, build_backend
-from engine.config import load_config
-from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import init_process_group
-from engine.prepare import load_data, settle_vocabulary
+from engine.prepare import prepare
 from models import get_family
 from models.seeding import seed_everything
 
 
 def main(config_path: str, out: Path, overrides: list[str]) -> None:
-    config = load_config(config_path, overrides, world_size=2, hardware=detect_hardware(local_world_size=2))
-    config = settle_vocabulary(config, load_data(config))
+    # Its own output directory: a checkpoint another run left in the config's would be resumed.
+    description = prepare(config_path, [*overrides, f"trainer.output_dir={out}"])
+    config = description.config
     family = get_family(config.model.family)
     built: dict[str, int] = {}
 
@@ -43,7 +43,7 @@ def main(config_path: str, out: Path, overrides: list[str]) -> None:
     device = init_process_group("cpu")
     seed_everything(config.trainer.seed)
     recording = dataclasses.replace(family, build=recording_build)
-    backend, _ = build_backend(backend_settings(config, recording, device, StepHooks()))
+    backend, _ = build_backend(backend_settings(description, recording, device, StepHooks()))
     integration_after = is_deepspeed_zero3_enabled()
     module = backend.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters())):

@@ -14,9 +14,11 @@ from engine.config import ConfigError, load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan import plan_run
 from engine.plan.planner import Plan
+from engine.prepare import check_data
 from models import get_family
 from models.checkpointing import SUGGESTED, Checkpointing
-from models.loss import IGNORE_INDEX, compute_loss
+from models.labels import IGNORE_INDEX
+from models.loss import compute_loss
 from models.seeding import seed_everything
 
 VOCAB, LENGTH = 96, 32
@@ -153,7 +155,7 @@ def choices_of(overrides: list[str]) -> tuple[dict[Checkpointing, tuple[int, int
     hardware = detect_hardware(local_world_size=1)
     overrides = ["data.path=null", "model.n_layer=4", *overrides]
     config = load_config("configs/tiny_gpt.json", overrides, world_size=1, hardware=hardware)
-    plan = plan_run(config)
+    plan = plan_run(check_data(config)[0])
     return {choice: (device, host) for choice, device, host in plan.choices}, plan
 
 

@@ -24,7 +24,7 @@ from engine.config import load_config
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.plan import DataSizes, data_sizes, format_bytes, parse_bytes, plan_run, verdict
 from engine.plan.data import data_memory
-from engine.prepare import load_data
+from engine.prepare import check_data, load_data, settle_vocabulary
 from models import get_family
 from tests.support.plan import GPT2, HIDDEN, LAYERS, POSITIONS, VOCAB
 
@@ -139,7 +139,7 @@ def test_suggest_lists_only_layouts_that_fit_cheapest_first():
     hardware, gpu = detect_hardware(local_world_size=2), machine("cuda", 2)
 
     def load(extra: list[str]):
-        return load_config("configs/tiny_gpt.json", extra, world_size=2, hardware=hardware)
+        return check_data(load_config("configs/tiny_gpt.json", extra, world_size=2, hardware=hardware))[0]
 
     config = load([])
     zero2 = plan_run(load(["zero_optimization.stage=2"]), gpu)
@@ -167,7 +167,8 @@ def test_the_type_partition_splits_the_blocks_where_deepspeed_does(config: str):
     """DeepSpeed's own matcher (`PipelineModule._find_layer_type`, a regular expression searched in
     each layer's class name) and its balancing, against the layer ranges the planner reports."""
     overrides = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_partition_method=type"]
-    plan = plan_run(load_config(config, overrides, world_size=2, hardware=detect_hardware(local_world_size=2)))
+    loaded = load_config(config, overrides, world_size=2, hardware=detect_hardware(local_world_size=2))
+    plan = plan_run(check_data(loaded)[0])
     family = get_family(plan.config.model.family)
     with torch.device("meta"):
         layers = family.pipeline.layers(family.build(plan.config.model.fields))
@@ -211,6 +212,7 @@ def test_a_text_corpus_is_mapped_once_per_node_and_ordered_by_every_rank(tmp_pat
     sets = [f"data.path={corpus}", f"data.tokenizer={hf_tokenizer_dir}", "data.num_workers=3"]
     config = load_config("configs/tiny_gpt.json", sets, world_size=4, hardware=detect_hardware(local_world_size=4))
     bundle = load_data(config)
+    config = settle_vocabulary(config, bundle)
     assert bundle.tokenizer.vocab_size == 300
     tokens = len(bundle.tokenizer.encode(text))  # one document: no end-of-text id
     seq_len, micro = config.data.seq_len, config.document["train_micro_batch_size_per_gpu"]
