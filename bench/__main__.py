@@ -29,7 +29,7 @@ from bench.report import REPORT, headline, load_results, store_results, write_re
 from bench.results import Result, Unavailable
 from bench.settings import Settings
 from engine.config import ConfigError
-from engine.prepare import RunError
+from engine.preflight import RunError
 
 BENCHMARKS: dict[str, Callable[[Settings], Result]] = {
     "overhead": throughput.versus_torch,  # 1: engine vs a minimal PyTorch loop

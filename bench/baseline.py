@@ -19,6 +19,7 @@ from data.loader import make_eval_loader, make_train_loader
 from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig
 from models import ModelFamily, get_family
+from models.parallelize import ParallelRequest
 from models.seeding import seed_everything
 
 Batch = dict[str, torch.Tensor]
@@ -115,7 +116,11 @@ def build_baseline(
     # The engine seeds right before it builds the model, so both start from the same weights.
     seed_everything(trainer.seed)
     options = {"fused": fused} if kind == "torch" else {}  # DeepSpeed's optimizer follows the config
-    step, model = LOOPS[kind](family.build(config.model.fields).to(device).train(), config, family, **options)
+    # Checkpointed as the engine's model is; the loop wraps and compiles it its own way.
+    model = family.parallelize(
+        family.build(config.model.fields), ParallelRequest(checkpointing=config.model.activation_checkpointing)
+    )
+    step, model = LOOPS[kind](model.to(device).train(), config, family, **options)
     batches = make_train_loader(
         bundle.train,
         micro_batch_size=config.batch.micro_batch_size,

@@ -39,7 +39,7 @@ from engine.config import load_config
 from engine.launch.hardware import detect_hardware, device_peak_flops
 from engine.observability.flops import mfu
 from engine.plan import plan_run
-from engine.prepare import check_data
+from engine.preflight import check_data
 from models import get_family
 
 CONFIG = ROOT / "configs" / "gpt2_124m.json"

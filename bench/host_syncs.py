@@ -171,7 +171,7 @@ def count_loop(config_path: str, overrides: list[str], steps: int) -> dict[str, 
     from bench.baseline import build_baseline
     from engine.config import load_config
     from engine.launch.hardware import detect_hardware
-    from engine.prepare import load_data, settle_vocabulary
+    from engine.preflight import load_data, settle_vocabulary
 
     hardware = detect_hardware(local_world_size=1)
     config = load_config(config_path, overrides, world_size=1, hardware=hardware)

@@ -48,7 +48,7 @@ from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import free_port
 from engine.plan import plan_run
 from engine.plan.shapes import build_on_meta
-from engine.prepare import check_data
+from engine.preflight import check_data
 from models import get_family
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"

@@ -22,7 +22,8 @@ from bench.trials import ROOT, RUNS, launch_engine, run_overrides
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan.shapes import build_on_meta
-from models import count_parameters, get_family
+from models import get_family
+from models.module_state import count_parameters
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
 RANKS = 2

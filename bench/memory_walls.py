@@ -24,7 +24,7 @@ form of it (models/tiling.py `FusedLinearCrossEntropy`): the head's gradients co
 piece by piece, pieces of at most `models.tile_sizes.LOSS_PIECE_BYTES` of logits, nothing computed
 twice. "tiled" (each piece's logits computed again in backward under checkpoint, the form ZeRO-3's
 and tensor parallelism's heads take) runs once, at micro-batch 1, against it. The checkpointing choices
-(`models.checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
+(`models.activation_checkpointing.SUGGESTED`) run with the fused loss at micro-batch 1.
 
 The optimizer is SGD without momentum or weight decay, which steps in place: AdamW's step makes
 temporaries as large as the head, which raise the REFERENCE run's peak and hid about 0.5 GiB of the
@@ -51,7 +51,7 @@ from bench.sequence import CONFIG, MIB, Trial, launch
 from bench.settings import Settings
 from bench.trials import ROOT, RUNS, run_overrides
 from engine.checkpoints.store import checkpoint_root
-from models.checkpointing import NONE, SUGGESTED, Checkpointing
+from models.activation_checkpointing import NONE, SUGGESTED, Checkpointing
 
 MODEL = [
     "data.type=synthetic",

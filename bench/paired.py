@@ -30,7 +30,7 @@ from bench.machine import machine_facts
 from engine.backends.base import StepHooks
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data, settle_vocabulary
+from engine.preflight import load_data, settle_vocabulary
 from engine.session import run
 
 PAIRED = "paired.json"

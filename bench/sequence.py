@@ -42,7 +42,7 @@ from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.parallel.process_group import free_port
 from engine.plan import plan_run
-from engine.prepare import check_data
+from engine.preflight import check_data
 
 CONFIG = ROOT / "configs" / "llama_tiny.json"
 MODEL = [

@@ -41,7 +41,7 @@ from bench.trl_sft import TRL_RESULT
 from data.sharding import global_batch_indices
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data
+from engine.preflight import load_data
 
 CONFIG = ROOT / "configs" / "sft_llama_tiny.json"
 # Where the config has no model.lora: rank 8 on every linear layer but the head, peft's common choice, which

@@ -26,7 +26,7 @@ from bench.settings import Settings
 from bench.trials import ROOT, RUNS, Pair, median, rounds, run_overrides
 from engine.config import EngineConfig, load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data
+from engine.preflight import load_data
 
 CONFIG = ROOT / "configs" / "shakespeare_char.json"
 GOAL_STEP = 2000

@@ -6,7 +6,6 @@ from typing import Any
 from data.bundle import SAMPLES, DataBundle
 from data.corpus import DEFAULT_CORPUS
 from data.kinds import BuildRequest, get_kind
-from data.loader import make_eval_loader, make_train_loader
 from data.sharding import batches_per_epoch, global_batch_indices, micro_batch_indices
 from data.tokenizers import Tokenizer, load_saved_tokenizer
 
@@ -19,8 +18,6 @@ __all__ = [
     "build_datasets",
     "global_batch_indices",
     "load_saved_tokenizer",
-    "make_eval_loader",
-    "make_train_loader",
     "micro_batch_indices",
 ]
 

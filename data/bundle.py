@@ -1,13 +1,18 @@
 """What building a run's data gives the engine: the training and validation datasets and what the
 model and the export need to know of them."""
 
-from dataclasses import dataclass, field
+from __future__ import annotations
 
-from torch.utils.data import Dataset
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from data.tokenizers import Tokenizer
 from data.tokens.external import TokenFile
-from data.transforms import ImageTransform
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
+
+    from data.transforms import ImageTransform
 
 SAMPLES = ("tokens", "images")
 """What a sample holds: token ids and their next-token labels, or an image and its class."""

@@ -21,7 +21,7 @@ from data.sharding import (
     eval_batch_positions,
     micro_batch_slice,
 )
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 
 
 @runtime_checkable

@@ -6,14 +6,21 @@ A run is a sequence of global batches. Epoch e is a permutation of the dataset d
 not fill one is dropped. Step s reads global batch s of the epochs laid end to end. Inside a
 global batch, micro-step k of rank r reads positions [(k*dp + r)*micro, (k*dp + r + 1)*micro),
 so walking k then r in one process visits exactly the micro-batches the ranks read.
+
+torch is imported where an order is drawn: `validate` checks a dataset fills one global batch
+(`batches_per_epoch`) and must not pay for importing it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from data.seeding import derive_seed
+
+if TYPE_CHECKING:
+    import torch
 
 IN_MEMORY_ORDER_UP_TO = 1 << 20
 """Epochs of at most this many samples are shuffled by torch.randperm (8 MiB of int64 per rank);
@@ -23,6 +30,8 @@ larger ones by a permutation computed on the fly, whose memory does not grow wit
 def epoch_permutation(num_samples: int, epoch: int, seed: int) -> torch.Tensor | LazyPermutation:
     """The sample order of one epoch: a fresh shuffle per epoch, the same one for every rank.
     Sliced (`order[a:b]`) it gives the indices at those positions as a tensor."""
+    import torch
+
     if num_samples <= IN_MEMORY_ORDER_UP_TO:
         generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
         return torch.randperm(num_samples, generator=generator)
@@ -52,6 +61,8 @@ class LazyPermutation:
         return self.num_samples
 
     def __getitem__(self, positions: slice) -> torch.Tensor:
+        import torch
+
         values = np.arange(*positions.indices(self.num_samples), dtype=np.uint64)
         values = self._permute(values)
         outside = values >= self.num_samples

@@ -23,17 +23,15 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
-from torch import Tensor
-
 from data.tokenizers import Tokenizer
 from data.tokens.corpus import ROW_SUFFIXES, TEXT_SUFFIX, corpus_files, is_saved_dataset
 
 if TYPE_CHECKING:
     import datasets
+    from torch import Tensor
 
-# `datasets` is imported where a stream opens: the config's checks import this module through the data
-# kinds, and a launch's pre-flight must not pay for it.
+# `datasets` is imported where a stream opens and torch where a window is made: the config's checks
+# import this module through the data kinds, and a launch's pre-flight must not pay for either.
 
 FILE_COLUMN = "file_index"
 """Added to the rows of .txt sources: which file a line came from, so a file's lines form one document."""
@@ -141,6 +139,8 @@ class StreamedWindows:
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last window yielded: small, and writable with `torch.save`."""
+        import torch
+
         rows = self._pass.state_dict() if self._pass is not None else copy.deepcopy(self._start_position)
         return {
             "dp_rank": self._dp_rank,
@@ -173,6 +173,7 @@ class StreamedWindows:
         self._windows = None
 
     def _generate(self) -> Iterator[dict[str, Tensor]]:
+        import torch
         from datasets.distributed import split_dataset_by_node
 
         eos = self._tokenizer.eos_id
@@ -245,6 +246,8 @@ def stream_micro_batches(windows: Iterable[dict[str, Tensor]], micro_batch_size:
     It takes exactly `micro_batch_size` windows per micro-batch and reads none ahead, so after
     k micro-batches the windows' `state_dict()` is the position of micro-batch k.
     """
+    import torch
+
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
     iterator = iter(windows)

@@ -1,21 +1,26 @@
 """Random data for smoke tests and throughput runs, generated per sample on demand.
 
 Each sample is a pure function of (seed, split, index), so a million samples cost no memory
-and every rank, worker and resumed run sees the same values.
+and every rank, worker and resumed run sees the same values. torch is imported where a sample is
+made, so that building the datasets (`validate` does) needs none (data/text.py says why).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
-from torch import Tensor
-from torch.utils.data import Dataset
 
 from data.seeding import keyed_rng
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SPLIT_KEYS = {"train": 0, "validation": 1}
 """Part of every sample's key, so validation samples never repeat training samples."""
 
 
-class _KeyedSamples(Dataset):
+class _KeyedSamples:
     def __init__(self, num_samples: int, seed: int, split: str) -> None:
         if num_samples < 1:
             raise ValueError(f"a synthetic dataset needs at least one sample, got num_samples={num_samples}")
@@ -39,6 +44,8 @@ class SyntheticTokens(_KeyedSamples):
         self.seq_len, self.vocab_size = seq_len, vocab_size
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
+        import torch
+
         window = torch.from_numpy(self._rng(index).integers(0, self.vocab_size, size=self.seq_len + 1)).long()
         return {"input_ids": window[:-1], "labels": window[1:]}
 
@@ -54,6 +61,8 @@ class SyntheticImages(_KeyedSamples):
         self.image_size, self.num_classes = image_size, num_classes
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
+        import torch
+
         rng = self._rng(index)
         pixels = rng.standard_normal((3, self.image_size, self.image_size), dtype="float32")
         return {

@@ -5,24 +5,31 @@ and cut into windows of `seq_len + 1` tokens
 (one every `seq_len` tokens, or for training every `data.stride` tokens): `seq_len` inputs and,
 one token on, `seq_len` targets. Every position of every sample is a real token: no padding,
 no mask.
+
+The datasets here are map-style as torch's DataLoader reads them (a length, a sample per index)
+without subclassing torch's Dataset, and import torch only to make a sample: `validate` builds them
+to check the data, and answers sooner than importing torch would take.
 """
+
+from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
-from torch.utils.data import Dataset
 
 from data.corpus import DEFAULT_CORPUS
 from data.tokenizers import Tokenizer
 from data.tokens.cache import default_cache_dir
 from data.tokens.prepare import prepare_text
 
+if TYPE_CHECKING:
+    from torch import Tensor
 
-class PackedTokens(Dataset):
+
+class PackedTokens:
     """`{"input_ids": long [seq_len], "labels": long [seq_len]}` samples of one stream: window k
     holds tokens k * stride ... k * stride + seq_len, the inputs its first `seq_len` and the labels
     its last. A tail shorter than a window is dropped.
@@ -51,6 +58,8 @@ class PackedTokens(Dataset):
         return self._windows
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
+        import torch
+
         if not 0 <= index < self._windows:
             raise IndexError(f"window {index} of {self._windows}")
         start = index * self.stride

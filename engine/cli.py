@@ -74,7 +74,7 @@ def _validate(args: argparse.Namespace) -> int:
     from engine.launch.hardware import detect_hardware
     from engine.launch.ops import known_op_problems, ops_needed
     from engine.parallel.layout import parallel_layout
-    from engine.prepare import RunError, check_data, check_nvme
+    from engine.preflight import RunError, check_data, check_nvme
 
     if args.hostfile is not None:
         from engine.launch.hostfile import HostfileError, active_hosts, read_hostfile, ssh_problems
@@ -165,7 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
     from engine.launch.hardware import detect_hardware
     from engine.plan import data_sizes, explain, parse_bytes, plan_run, suggest, table, verdict
     from engine.plan.report import describe_candidate
-    from engine.prepare import RunError, check_data, check_lora_targets, settle_vocabulary
+    from engine.preflight import RunError, check_data, check_lora_targets, settle_vocabulary
 
     try:
         device_memory = parse_bytes(args.device_memory) if getattr(args, "device_memory", None) else None

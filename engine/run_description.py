@@ -1,4 +1,4 @@
-"""The run as `prepare` settled it, before any process group: one frozen description that the trainer,
+"""The run as `describe_run` settled it, before any process group: one frozen description that the trainer,
 the loop's settings, the backends and the checkpoints read, so that nothing after the pre-flight
 loads the config again, parses a duration or a signal name, or settles the vocabulary a second time."""
 

@@ -1,4 +1,4 @@
-"""One rank's session: the checks of engine/prepare.py first, then the process group, the
+"""One rank's session: the checks of engine/describe.py first, then the process group, the
 watchdog and the per-rank log around the trainer, and a teardown that every rank reaches. A
 failure once the group is up ends the job through engine/failures/ending.py, never a hang."""
 
@@ -8,6 +8,7 @@ import sys
 
 from engine.backends.base import StepHooks
 from engine.config import ConfigError
+from engine.describe import describe_run
 from engine.failures.ending import collective_timeout, end_after_failure
 from engine.failures.faults import FaultHooks
 from engine.failures.watchdog import Watchdog
@@ -19,7 +20,7 @@ from engine.parallel.process_group import (
     env_world_size,
     init_process_group,
 )
-from engine.prepare import RunError, prepare
+from engine.preflight import RunError
 from engine.trainer import Trainer
 
 
@@ -27,7 +28,7 @@ def run(config_path: str, overrides: list[str], hooks: StepHooks | None = None) 
     """One rank's whole run; the exit code. `hooks` step into the run (bench/paired.py pairs its
     baseline there); by default, the fault `ENGINE_FAULT` asks for, if any."""
     try:
-        description = prepare(config_path, overrides)
+        description = describe_run(config_path, overrides)
     except (ConfigError, RunError) as error:
         # Every rank prints: the launcher ends the others as soon as the first one exits, so a
         # message left to rank 0 alone is lost whenever another rank gets there first.

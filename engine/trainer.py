@@ -4,6 +4,7 @@ process group is already up (engine/session.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Iterator
 
@@ -11,12 +12,13 @@ import torch
 
 from data.loader import make_eval_loader, make_train_loader
 from data.streaming import StreamedWindows, stream_micro_batches
-from engine.backends.base import Backend, Batch, StepHooks
-from engine.backends.factory import backend_settings, build_backend
+from engine.backends.base import Backend, BackendSettings, Batch, StepHooks
+from engine.backends.factory import build_backend
 from engine.backends.prefetch import DevicePrefetcher
 from engine.checkpoints.export import export_model, load_exported, sample_reply, sample_text
 from engine.checkpoints.manager import CheckpointManager
 from engine.checkpoints.store import step_tag
+from engine.config.rules import labels_can_be_masked
 from engine.failures.nonfinite import NonfinitePolicy
 from engine.failures.preemption import StopRequests
 from engine.launch.signals import EXIT_PREEMPTED
@@ -26,8 +28,39 @@ from engine.observability.plots import write_plots
 from engine.observability.sinks import build_sinks
 from engine.parallel.process_group import barrier, is_main_process
 from engine.run_description import RunDescription
-from models import get_family
+from models import ModelFamily, get_family
 from models.seeding import seed_everything
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def backend_settings(
+    description: RunDescription, family: ModelFamily, device: torch.device, hooks: StepHooks
+) -> BackendSettings:
+    """What every backend is built from: the run's description as the backends read it."""
+    config = description.config
+    return BackendSettings(
+        backend=config.trainer.backend,
+        family=family,
+        model_fields=config.model.fields,
+        device=device,
+        input_dtype=_DTYPES[config.precision],
+        deepspeed_config=copy.deepcopy(description.deepspeed_config),
+        batch=description.batch,
+        precision=config.precision,
+        weight_decay_on=config.trainer.weight_decay_on,
+        zero_stage=config.zero_stage,
+        accelerate_wrapper=config.accelerate_wrapper,
+        layout=description.layout,
+        pipeline_partition_method=config.parallel.pipeline_partition_method,
+        pipeline_activation_checkpoint_interval=config.parallel.pipeline_activation_checkpoint_interval,
+        hooks=hooks,
+        compile=config.trainer.compile,
+        nonfinite=config.trainer.nonfinite,
+        async_save=config.trainer.async_save,
+        masked_labels=labels_can_be_masked(config.data.as_mapping()),
+        seed=config.trainer.seed,
+    )
 
 
 class Trainer:

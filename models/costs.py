@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.checkpointing import Checkpointing
+from models.activation_checkpointing import Checkpointing
 from models.tile_sizes import AUTO_LOSS, tiled_loss_pieces, tiled_mlp_pieces
 
 FLOPS_PER_MAC = 2
@@ -104,7 +104,7 @@ class ActivationEstimate:
 
     `stage_bytes(stage, blocks, checkpointing)`: the activations one micro-batch leaves for backward
     in device memory on one rank of `stage`, which holds `blocks` of the family's repeating blocks,
-    under activation checkpointing choice `checkpointing` (models/checkpointing.py); what an offloading
+    under activation checkpointing choice `checkpointing` (models/activation_checkpointing.py); what an offloading
     choice keeps in host memory is the difference from the same choice without offload.
     `tokens` and `hidden`: the positions of a micro-batch on one rank (its slice of each sequence
     under sequence parallelism) and the width of the hidden state that tensor-parallel layers

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from parallelism.tensor import tied_logits
 
 

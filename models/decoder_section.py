@@ -10,6 +10,8 @@ from models.presets import AUTO, merge_preset, setting
 
 # Both train on token samples, `data.seq_len` of them each, with the vocabulary from the tokenizer.
 TOKEN_DATA_TYPES = ("text", "tokens", "chat", "instruction", "synthetic")
+# What their evaluation adds up (models/loss.eval_sums): the summed token loss and the tokens predicted.
+EVAL_SUMS = ("loss_sum", "tokens")
 
 
 def decoder_schema(vocabulary: str, dropout: str) -> dict[str, dict[str, Any]]:

@@ -6,7 +6,6 @@ building a model and would otherwise spend most of its time importing it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,30 +13,7 @@ from typing import Any
 
 import torch
 
-from models.checkpointing import Checkpointing, apply_activation_checkpointing
 from models.module_state import check_state_dict
-
-
-def pretrained_values(saved: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """`names` as a checkpoint's config.json (`saved`) gives them; ValueError naming those it leaves
-    out, whose transformers defaults (Llama's 4096 wide, 32 layers) no small checkpoint means."""
-    missing = [name for name in names if saved.get(name) is None]
-    if missing:
-        raise ValueError(f"gives no {', '.join(missing)} in its config.json")
-    return {name: saved[name] for name in names}
-
-
-def refuse_unbuildable(saved: Mapping[str, Any], built_as: Mapping[str, Any]) -> None:
-    """ValueError naming each value of a checkpoint's config.json (`saved`) other than the one the
-    family always builds (`built_as`). A key left out takes the transformers class's default, which
-    is that value (tests/unit/test_init_from.py compares them)."""
-    differences = [
-        f"{name} {json.dumps(saved[name])} (this family builds {json.dumps(value)})"
-        for name, value in built_as.items()
-        if saved.get(name, value) != value
-    ]
-    if differences:
-        raise ValueError(f"has {', '.join(differences)}, which no model field configures")
 
 
 @dataclass(frozen=True)
@@ -76,9 +52,6 @@ class HFCheckpoint:
         else:
             self._check(Path(init_from), config)
             model = load_pretrained(self.transformers_class(), Path(init_from), config)
-        choice = Checkpointing.of(section.get("activation_checkpointing"))
-        if choice:
-            apply_activation_checkpointing(model, choice)
         # The loss `compute_loss` has the model compute; GPT2LMHeadModel's class name names none, and
         # transformers would warn before falling back to this same one.
         model.loss_type = "ForCausalLM"

@@ -8,7 +8,7 @@ the loss) keeps the model's own class and names, and a parameter is named as in 
 with `lora_A.default.weight` and the like added. The wrapper is built again, on the meta device,
 wherever peft's own names are needed (the exported adapter).
 
-peft is imported inside the functions: config validation reads this module's schema without it.
+peft and torch are imported inside the functions: config validation reads this module's schema without them.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 if TYPE_CHECKING:
+    import torch
     from peft import LoraConfig, PeftModel
+    from torch import nn
 
 ALL_LINEAR = "all-linear"
 # peft's own prefix of the wrapped model's names in a PeftModel's state dict.
@@ -91,6 +90,7 @@ def peft_model(model: nn.Module, section: Mapping[str, Any], seed: int) -> PeftM
     """peft's wrapper around `model`, its adapters drawn from `seed` alone: in a generator of their
     own, so they are the same on every rank and in every layout, whatever building the base drew
     (a ZeRO-3 build may draw on rank 0 alone), and the global generator goes on as if they were not drawn."""
+    import torch
     from peft import get_peft_model
 
     with torch.random.fork_rng(devices=[]):
@@ -106,6 +106,7 @@ def apply_lora(model: nn.Module, section: Mapping[str, Any], seed: int) -> nn.Mo
 
 # What peft's LoRA adapts of a transformers model: linear layers (GPT-2's as transformers' Conv1D) and embeddings.
 def _adaptable(module: nn.Module) -> bool:
+    from torch import nn
     from transformers.pytorch_utils import Conv1D
 
     return isinstance(module, (nn.Linear, Conv1D, nn.Embedding))

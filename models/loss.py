@@ -10,11 +10,8 @@ from collections.abc import Mapping
 import torch
 
 from models.attention import model_inputs
+from models.labels import IGNORE_INDEX
 
-# The label every family's loss and evaluation skip (torch's and transformers' default): evaluation
-# gives the samples it repeats to fill its batches no weight with it (data/loader.make_eval_loader).
-IGNORE_INDEX = -100
-EVAL_SUMS = ("loss_sum", "tokens")
 # math.exp overflows above this; a diverged run should report an infinite perplexity, not crash.
 _LARGEST_EXP_ARGUMENT = math.log(sys.float_info.max)
 

@@ -2,25 +2,35 @@
 the data it trains on, builder, loss, evaluation, export, parallel forms, FLOPs and the planner's
 estimates.
 
-Adding a family means writing one module that exposes the names `_family` reads, and adding it to
-`FAMILIES`; nothing outside models/ names a family (tests/unit/test_registry.py greps for it).
+A family is two modules: its spec (models/<family>_spec.py), what checking a config needs (presets,
+schema, checks, architecture arithmetic, parallel plans), and its model module (models/<family>.py),
+which builds, trains, exports and costs the model. An entry reads the spec when it is made and the
+model module at the first call that needs it (`Deferred`), so `python -m engine validate` answers
+without importing torch, faster than importing it would take.
+
+Adding a family means writing those two modules, which expose the names `_family` reads, and adding
+it to `FAMILIES`; nothing outside models/ names a family (tests/unit/test_registry.py greps for it).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from models import gpt_spec, llama_spec, resnet_spec
+from parallelism.tensor_plan import TensorParallelPlan
 
-from models import gpt, llama, resnet
-from models.costs import ActivationEstimate, PlanShape
-from parallelism.tensor import TensorParallelPlan
+if TYPE_CHECKING:
+    import torch
 
-Batch = Mapping[str, torch.Tensor]
+    from models.costs import ActivationEstimate, PlanShape
+    from models.parallelize import ParallelRequest
+
+    Batch = Mapping[str, torch.Tensor]
 
 
 class ComputeLoss(Protocol):
@@ -61,7 +71,10 @@ class ModelFamily:
     model-section fields it decides (engine/config/pretrained.py), or raises ValueError saying why
     the family cannot build it.
     `tensor_parallel` is None for a family that cannot be split by layer; `shard_units` lists the
-    repeating blocks: FSDP wraps them one by one, and the accelerate backend compiles them so.
+    repeating blocks: FSDP wraps them one by one, and `parallelize` compiles them so.
+    `parallelize(model, request)`: the family's one step from the built model to the form the run
+    trains (models/parallelize.py): activation checkpointing, adapters, tensor parallelism, compile
+    and the data-parallel wrapping that `request` carries, in that order.
     `builds_partitioned`: `build` honours transformers' ZeRO-3 integration, so under ZeRO-3 each rank
     only ever holds its share of the weights (engine/parallel/zero3_init.py).
     `lora`: `model.lora` applies, peft adapting the model's linear layers (models/lora.py).
@@ -117,6 +130,7 @@ class ModelFamily:
     pipeline: PipelineForm
     tensor_parallel: TensorParallelPlan | None
     shard_units: Callable[[torch.nn.Module], list[torch.nn.Module]]
+    parallelize: Callable[[torch.nn.Module, ParallelRequest], Any]
     builds_partitioned: bool
     lora: bool = False
     sequence_parallel: bool = False
@@ -126,53 +140,74 @@ class ModelFamily:
     )
 
 
-def _family(name: str, module: ModuleType) -> ModelFamily:
-    """Every family module exposes the same names, so registering one takes a single line."""
+@dataclass(frozen=True)
+class Deferred:
+    """Function `name` of module `module`, imported at its first call: a family's model module
+    imports torch and its model code, which checking a config never calls."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+
+
+def _family(name: str, spec: ModuleType, model_module: str) -> ModelFamily:
+    """Every family's spec and model module expose the same names, so registering one takes a single line."""
+
+    def model(function: str) -> Deferred:
+        return Deferred(model_module, function)
+
     return ModelFamily(
         name=name,
-        presets=MappingProxyType(module.PRESETS),
-        model_schema=MappingProxyType(module.MODEL_SCHEMA),
-        config_issues=module.config_issues,
-        data_types=module.DATA_TYPES,
-        samples=module.SAMPLES,
-        uses_vocabulary=module.USES_VOCABULARY,
-        items_per_sample=module.items_per_sample,
-        throughput_key=module.THROUGHPUT_KEY,
-        flops_per_item=module.flops_per_item,
-        plan_activations=module.plan_activations,
-        suggests_checkpointing=module.SUGGESTS_CHECKPOINTING,
-        architecture=module.architecture,
-        hidden_size=module.hidden_size,
-        context_length=module.context_length,
-        build=module.build,
-        check_init_from=module.check_init_from,
-        pretrained_fields=getattr(module, "pretrained_fields", None),
-        compute_loss=module.compute_loss,
-        eval_sums=module.eval_sums,
-        summarize_eval=module.summarize_eval,
-        export=module.export,
-        load_export=module.load_export,
+        presets=MappingProxyType(spec.PRESETS),
+        model_schema=MappingProxyType(spec.MODEL_SCHEMA),
+        config_issues=spec.config_issues,
+        data_types=spec.DATA_TYPES,
+        samples=spec.SAMPLES,
+        uses_vocabulary=spec.USES_VOCABULARY,
+        items_per_sample=spec.items_per_sample,
+        throughput_key=spec.THROUGHPUT_KEY,
+        flops_per_item=model("flops_per_item"),
+        plan_activations=model("plan_activations"),
+        suggests_checkpointing=spec.SUGGESTS_CHECKPOINTING,
+        architecture=spec.architecture,
+        hidden_size=spec.hidden_size,
+        context_length=spec.context_length,
+        build=model("build"),
+        check_init_from=model("check_init_from"),
+        pretrained_fields=getattr(spec, "pretrained_fields", None),
+        compute_loss=model("compute_loss"),
+        eval_sums=model("eval_sums"),
+        summarize_eval=model("summarize_eval"),
+        export=model("export"),
+        load_export=model("load_export"),
         pipeline=PipelineForm(
-            layers=module.pipeline_layers,
-            split_batch=module.pipeline_batch,
-            loss=module.pipeline_loss,
-            eval_sums=module.pipeline_eval_sums,
-            eval_keys=module.EVAL_SUMS,
-            block_type=module.PIPELINE_BLOCK_TYPE,
-            num_blocks=module.pipeline_blocks,
+            layers=model("pipeline_layers"),
+            split_batch=model("pipeline_batch"),
+            loss=model("pipeline_loss"),
+            eval_sums=model("pipeline_eval_sums"),
+            eval_keys=spec.EVAL_SUMS,
+            block_type=spec.PIPELINE_BLOCK_TYPE,
+            num_blocks=spec.pipeline_blocks,
         ),
-        tensor_parallel=getattr(module, "TENSOR_PARALLEL_PLAN", None),
-        shard_units=module.shard_units,
-        builds_partitioned=module.BUILDS_PARTITIONED,
-        lora=getattr(module, "LORA", False),
-        sequence_parallel=getattr(module, "SEQUENCE_PARALLEL", False),
-        attention_heads=getattr(module, "ATTENTION_HEADS", None),
-        **({"no_sequence_parallel": module.NO_SEQUENCE_PARALLEL} if hasattr(module, "NO_SEQUENCE_PARALLEL") else {}),
+        tensor_parallel=getattr(spec, "TENSOR_PARALLEL_PLAN", None),
+        shard_units=model("shard_units"),
+        parallelize=model("parallelize"),
+        builds_partitioned=spec.BUILDS_PARTITIONED,
+        lora=getattr(spec, "LORA", False),
+        sequence_parallel=getattr(spec, "SEQUENCE_PARALLEL", False),
+        attention_heads=getattr(spec, "ATTENTION_HEADS", None),
+        **({"no_sequence_parallel": spec.NO_SEQUENCE_PARALLEL} if hasattr(spec, "NO_SEQUENCE_PARALLEL") else {}),
     )
 
 
 FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
-    {"gpt": _family("gpt", gpt), "resnet": _family("resnet", resnet), "llama": _family("llama", llama)}
+    {
+        "gpt": _family("gpt", gpt_spec, "models.gpt"),
+        "resnet": _family("resnet", resnet_spec, "models.resnet"),
+        "llama": _family("llama", llama_spec, "models.llama"),
+    }
 )
 
 

@@ -2,6 +2,7 @@
 
 Both are used as their authors ship them. The two name their parameters differently, so an export
 records which one wrote it. transformers is imported only to build its model (see models/gpt.py).
+What checking a config needs of the family (presets, schema, checks) is models/resnet_spec.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from models.checkpointing import EVERY_BLOCK, Checkpointing, checkpoint_function
+from models.activation_checkpointing import EVERY_BLOCK, Checkpointing, checkpoint_function
 from models.costs import (
     FLOPS_PER_MAC,
     TRAINING_PASSES,
@@ -30,78 +31,17 @@ from models.costs import (
     forward_macs,
     module_output_bytes,
 )
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from models.module_state import check_state_dict
-from models.presets import AUTO, merge_preset, setting
+from models.parallelize import parallelize_model
+from models.presets import AUTO
+from models.resnet_spec import IMPLEMENTATIONS, architecture, torchvision_available
 
-IMPLEMENTATIONS = ("torchvision", "transformers")
-# torchvision initialises its ResNet in the constructor, after its submodules exist: under
-# `deepspeed.zero.Init` they would already be partitioned, so ResNets are built whole.
-BUILDS_PARTITIONED = False
 WEIGHTS_FILE = "model.safetensors"
 METADATA_FILE = "export.json"
 
-PRESETS: Mapping[str, Mapping[str, Any]] = {
-    "resnet18": {"block": "basic", "depths": (2, 2, 2, 2)},
-    "resnet34": {"block": "basic", "depths": (3, 4, 6, 3)},
-    "resnet50": {"block": "bottleneck", "depths": (3, 4, 6, 3)},
-    "resnet101": {"block": "bottleneck", "depths": (3, 4, 23, 3)},
-    "resnet152": {"block": "bottleneck", "depths": (3, 8, 36, 3)},
-}
-# The model section's own keys, as JSON Schema (engine/config/schema.py adds the keys every family has).
-MODEL_SCHEMA: Mapping[str, Mapping[str, Any]] = {
-    "preset": {"enum": list(PRESETS), "description": "ResNet depth."},
-    "num_classes": {"type": "integer", "minimum": 2, "description": "Classifier outputs.", "default": 1000},
-    "implementation": {
-        "enum": [AUTO, *IMPLEMENTATIONS],
-        "description": '"auto": torchvision where it imports, transformers\' ResNet otherwise (same architecture).',
-        "default": AUTO,
-    },
-}
-# Trained on labelled images, counted one by one; the classes come from the model section.
-DATA_TYPES = ("image", "synthetic")
-SAMPLES = "images"
-THROUGHPUT_KEY = "images_per_s"
-USES_VOCABULARY = False
-# `plan --suggest` does not try model.activation_checkpointing on a ResNet, whose checkpointed
-# activations are only estimated, as a flat quarter of the whole (`plan_activations`).
-SUGGESTS_CHECKPOINTING = False
 _STAGE_WIDTHS = (64, 128, 256, 512)
 _EXPANSION = {"basic": 1, "bottleneck": 4}  # a bottleneck block outputs four times its width
-
-
-@functools.cache
-def torchvision_available() -> bool:
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # a wheel built for another torch or CUDA fails with RuntimeError or OSError
-        return False
-    return True
-
-
-def architecture(section: Mapping[str, Any]) -> dict[str, Any]:
-    """The preset's blocks, the classifier width and the implementation, with "auto" settled here.
-
-    Settling "auto" once means build, export and the run's logs all name the same implementation.
-    """
-    implementation = setting(section, "implementation", AUTO)
-    if implementation == AUTO:
-        implementation = "torchvision" if torchvision_available() else "transformers"
-    return {
-        **merge_preset("resnet", PRESETS, section),
-        "num_classes": setting(section, "num_classes", 1000),
-        "implementation": implementation,
-    }
-
-
-def hidden_size(arch: Mapping[str, Any]) -> None:
-    """No single width: ZeRO keeps DeepSpeed's default bucket sizes."""
-    return None
-
-
-def context_length(arch: Mapping[str, Any]) -> None:
-    """Images, not sequences: there is no data.seq_len to settle."""
-    return None
 
 
 def build(section: Mapping[str, Any]) -> nn.Module:
@@ -111,9 +51,6 @@ def build(section: Mapping[str, Any]) -> nn.Module:
     init_from = section.get("init_from")
     if init_from is not None:
         _load_init_weights(model, arch, Path(init_from))
-    choice = Checkpointing.of(section.get("activation_checkpointing"))
-    if choice:
-        apply_activation_checkpointing(model, choice)
     return model
 
 
@@ -236,6 +173,12 @@ def _running_stats_frozen(module: nn.Module) -> Iterator[None]:
             norm.num_batches_tracked.copy_(num_batches_tracked)
 
 
+# No tensor-parallel form: the data-parallel wrappers alone spread a ResNet (models/parallelize.py).
+parallelize = functools.partial(
+    parallelize_model, checkpoint=apply_activation_checkpointing, tensor_parallel=None, blocks=shard_units
+)
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """torchvision returns the logits; transformers wraps them in an output object."""
     return output if isinstance(output, torch.Tensor) else output.logits
@@ -334,37 +277,7 @@ def _check_export(arch: Mapping[str, Any], path: Path) -> None:
         )
 
 
-# -- Config checks, FLOPs and the planner's estimates ------------------------------------------
-
-
-def config_issues(
-    section: Mapping[str, Any], data: Mapping[str, Any], micro_batch: int | None
-) -> Iterator[tuple[str, str]]:
-    """What the schema cannot say about a ResNet config: (JSON path, how to fix it) pairs."""
-    # Five stride-2 steps: a 32-pixel image ends as a 1x1 map, one value per channel per image,
-    # which training-mode BatchNorm cannot normalise.
-    if micro_batch == 1 and data["image_size"] <= 32:
-        yield (
-            "train_micro_batch_size_per_gpu",
-            f"1 image of {data['image_size']} pixels leaves ResNet's BatchNorm one value per channel in its "
-            "last stage (a 1x1 map); use a micro-batch of 2 or more",
-        )
-    if Checkpointing.of(section.get("activation_checkpointing")).attention:
-        yield (
-            "model.activation_checkpointing",
-            '"attention" recomputes the attention of each transformer block, and a ResNet has none; use true or '
-            '{"every": k} to recompute residual blocks',
-        )
-    if section.get("implementation") == "torchvision" and not torchvision_available():
-        yield (
-            "model.implementation",
-            '"torchvision", but torchvision does not import here; use "auto" or "transformers" (same architecture)',
-        )
-
-
-def items_per_sample(data: Mapping[str, Any]) -> int:
-    """Throughput and MFU count images, one a sample."""
-    return 1
+# -- FLOPs and the planner's estimates ---------------------------------------------------------
 
 
 def _meta_images(count: int, image_size: int) -> torch.Tensor:
@@ -407,12 +320,6 @@ def plan_activations(shape: PlanShape) -> ActivationEstimate:
 
 # -- Pipeline form ----------------------------------------------------------------------------
 
-PIPELINE_BLOCK_TYPE = "BasicBlock|Bottleneck|ResNetBasicLayer|ResNetBottleNeckLayer"
-
-
-def pipeline_blocks(arch: Mapping[str, Any]) -> int:
-    return sum(arch["depths"])
-
 
 class _Head(nn.Module):
     """Global pooling, flattening and the classifier, as the last pipeline layer."""
@@ -443,9 +350,6 @@ def pipeline_batch(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, tor
 def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # Cross entropy in fp32: under bf16 the logits' rounding would show in the loss.
     return F.cross_entropy(logits.float(), labels)
-
-
-EVAL_SUMS = ("correct", "loss_sum", "samples")
 
 
 def pipeline_eval_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from models.tile_sizes import AUTO_LOSS, tiled_loss_pieces, tiled_mlp_pieces
 
 

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallelism.tensor_plan import TensorParallelPlan
+
 SHARD_ATTRIBUTE = "tp_shard"
 
 
@@ -196,25 +198,6 @@ def tied_logits(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if isinstance(embedding, VocabParallelEmbedding):
         return embedding.logits(hidden)
     return F.linear(hidden, embedding.weight)
-
-
-@dataclass(frozen=True)
-class TensorParallelPlan:
-    """Which modules of a family's model split how, by glob pattern over module names, and the
-    attributes of the attention modules that count heads and widths per rank.
-
-    `head` is the language-model head: tied to `vocab_embedding` (the same weight) it becomes the
-    sharded embedding's output projection, untied it is split by vocabulary rows on its own.
-    `divisible` names the architecture fields the degree must divide (each with what it counts, for
-    the message that refuses a degree before launch): heads, key/value heads, MLP width.
-    """
-
-    column: Mapping[str, int]  # pattern -> chunks
-    row: tuple[str, ...]
-    vocab_embedding: str
-    head: str
-    per_rank_attributes: Mapping[str, tuple[str, ...]]  # pattern -> attributes divided by the degree
-    divisible: Mapping[str, str]  # architecture field -> what it counts
 
 
 def apply_tensor_parallel(model: nn.Module, plan: TensorParallelPlan, group: dist.ProcessGroup) -> None:

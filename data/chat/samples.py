@@ -7,6 +7,8 @@ position predicts nothing: the token after it belongs to no one. Attention never
 conversations: unpacked, each is alone in its row and padded on the right; packed, the positions
 restart at 0 at each one, and transformers builds the block-diagonal causal mask from them when no attention mask is
 given (`masking_utils.find_packed_sequence_indices`; flash attention reads the same positions).
+torch is imported where a sample is made, so that building the datasets (`validate` does) needs none
+(data/text.py says why).
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
-from torch.utils.data import Dataset
 
 from data.tokens.files import PreparedCorpus
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PAD_MULTIPLE = 8
 """Micro-batches of single conversations are padded to a multiple of this many tokens: shapes that
@@ -81,6 +84,8 @@ class Conversations:
 
     def sample(self, index: int, length: int) -> tuple[Tensor, Tensor]:
         """The first `length` ids of conversation `index` and their shifted labels."""
+        import torch
+
         start = int(self.bounds[index])
         ids = torch.from_numpy(self.tokens[start : start + length].astype(np.int64))
         targets = torch.from_numpy(self.mask[start + 1 : start + length].astype(bool))
@@ -139,6 +144,8 @@ class PadToLongest:
         self.limit = limit
 
     def __call__(self, samples: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+        import torch
+
         longest = max(len(sample["input_ids"]) for sample in samples)
         width = min(math.ceil(longest / PAD_MULTIPLE) * PAD_MULTIPLE, max(self.limit, longest))
         batch = {
@@ -152,7 +159,7 @@ class PadToLongest:
         return batch
 
 
-class ConversationSamples(Dataset):
+class ConversationSamples:
     """One conversation per sample, of its own length; `collate` pads a micro-batch of them."""
 
     def __init__(self, conversations: Conversations, selection: Selection, seq_len: int) -> None:
@@ -168,7 +175,7 @@ class ConversationSamples(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-class PackedConversations(Dataset):
+class PackedConversations:
     """Windows of exactly `seq_len` tokens, each holding whole conversations, filled greedily in file
     order (a conversation that does not fit opens the next window): deterministic, and one pass
     however many conversations. The tail of a window is padding: PAD_ID, labels IGNORE_INDEX and
@@ -184,6 +191,8 @@ class PackedConversations(Dataset):
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
+        import torch
+
         ids = torch.full((self.seq_len,), PAD_ID, dtype=torch.long)
         labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
         positions = torch.empty(self.seq_len, dtype=torch.long)

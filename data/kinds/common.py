@@ -4,8 +4,10 @@ planner counts of the datasets, and the answer of a kind with nothing to prepare
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.utils.data import Dataset
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 
 class NothingToPrepare(Exception):

@@ -1,4 +1,7 @@
-"""data.type "image": an imagefolder directory or CIFAR-10's python batches (data/image.py)."""
+"""data.type "image": an imagefolder directory or CIFAR-10's python batches (data/image.py).
+
+data/image.py, which decodes images into tensors, is imported where the datasets are built: the
+config's checks read this module through the data kinds and must not pay for torch and Pillow."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from data.bundle import DataBundle
-from data.image import FolderImages, ImageDataset, TensorImages, load_image_datasets
 from data.kinds.common import BuildRequest, Footprint, NothingToPrepare, first_sample_bytes
 
 if TYPE_CHECKING:
@@ -31,6 +33,8 @@ def config_issues(data: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def build(data: Mapping[str, Any], request: BuildRequest) -> DataBundle:
+    from data.image import load_image_datasets
+
     path = data["path"]
     if isinstance(path, list | tuple):
         if len(path) != 1:
@@ -62,6 +66,8 @@ def build(data: Mapping[str, Any], request: BuildRequest) -> DataBundle:
 def footprint(bundle: DataBundle) -> Footprint:
     """CIFAR-10's pickles are read whole into every rank's memory. An imagefolder's table (paths
     and labels, in memory) and its image files count once however many splits index into it."""
+    from data.image import FolderImages, ImageDataset, TensorImages
+
     loaded = mapped = 0
     tables: dict[int, datasets.Dataset] = {}
     for dataset in (bundle.train, bundle.validation):

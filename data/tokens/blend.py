@@ -12,10 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import Tensor
-from torch.utils.data import Dataset
 
 from data.text import PackedTokens
 from data.tokenizers import Tokenizer, load_tokenizer
@@ -28,11 +27,15 @@ from data.tokens.external import (
     scan_token_ids,
 )
 
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.utils.data import Dataset
+
 MAX_SOURCES = 32767
 """Megatron's dataset index is int16."""
 
 
-class BlendedTokens(Dataset):
+class BlendedTokens:
     """Samples of several map-style datasets in the proportions of `weights`.
 
     Sample i is window `dataset_sample_index[i] % len(source)` of source `dataset_index[i]`, both

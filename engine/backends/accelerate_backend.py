@@ -72,17 +72,8 @@ class AccelerateBackend(Backend):
         self._clipping = document["gradient_clipping"]
         self._autocast_dtype = torch.bfloat16 if settings.precision == "bf16" else None
         self.accelerator = Accelerator(cpu=device.type == "cpu")
-        if settings.compile:
-            # Block by block, before any wrapper, as torchtitan does: identical blocks share one
-            # compiled graph, and DDP's and FSDP2's hooks stay outside it.
-            for unit in family.shard_units(model):
-                unit.compile()
-            if hasattr(model, "loss_function"):
-                # transformers' loss, which the model computes in its forward (models/loss.py
-                # compute_loss): compiled, its fp32 upcast and cross-entropy fuse instead of
-                # writing fp32 logits.
-                model.loss_function = torch.compile(model.loss_function)
-            self.compiled = True
+        # Compiled block by block before this wrapping, by the family's `parallelize` step.
+        self.compiled = settings.compile
         if self.wrapper == "ddp":
             self.model = self.accelerator.prepare_model(model)
         else:

@@ -133,7 +133,8 @@ class DeepSpeedEngineBackend(Backend):
     def compile(self) -> None:
         """torch.compile through DeepSpeed (`DeepSpeedEngine.compile`): the whole module, or under the
         pipeline engine each of this stage's layers (`PipelineModule.compile`), with the
-        accelerator's default backend (inductor)."""
+        accelerator's default backend (inductor). The family's `parallelize` step calls it once the
+        engine wraps the model (models/parallelize.py)."""
         self.engine.compile()
         self.compiled = self.engine.is_compiled
 

@@ -28,7 +28,7 @@ from engine.backends.optim import parameter_groups
 from engine.backends.pipeline_timeline import PipelineEvent, RankTimeline, step_breakdown, write_pipeline_timeline
 from engine.backends.zero_checks import defer_norm_checks
 from engine.parallel.consolidate import fp16_optimizer_masters, gather_full_state, tensor_names
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from models.tiling import logits_free_loss
 
 # The event kind (engine/backends/pipeline_timeline.py) of each instruction DeepSpeed's schedules issue.

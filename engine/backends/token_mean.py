@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The manager owns everything a resume restores besides what the backend's library loads itself:
 the conversion to a universal checkpoint when the layout changed, each rank's RNG state and
 persistent buffers, and a streamed corpus's position. Which resumes must convert is decided before
-any process group (`engine.checkpoints.reshape.needs_conversion`, called by engine/prepare.py).
+any process group (`engine.checkpoints.reshape.needs_conversion`, called by engine/describe.py).
 """
 
 from __future__ import annotations

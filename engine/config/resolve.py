@@ -53,7 +53,7 @@ class EngineConfig:
     @property
     def as_configured(self) -> EngineConfig:
         """The config with its ZeRO stage and precision as written: what accelerate's plugin is held to,
-        and what a one-rank resume of a ZeRO-1/2/3 checkpoint runs (engine/prepare.py)."""
+        and what a one-rank resume of a ZeRO-1/2/3 checkpoint runs (engine/describe.py)."""
         return self.unrouted if self.unrouted is not None else self
 
     @cached_property

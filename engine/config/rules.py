@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from data.kinds import KINDS, get_kind, kind_schema
 from engine.config.batch import BatchError, solve_document_batch
 from engine.config.errors import ConfigIssue
@@ -375,7 +373,10 @@ def _autocast_issues(document: dict, hardware: Hardware | None) -> Iterator[Conf
 
 def _module_class_problem(name: str) -> str | None:
     """Why `name` ("package.Class") is not a torch module class DeepSpeed can import, or None.
-    DeepSpeed imports these inside `deepspeed.initialize`, after every rank has started."""
+    DeepSpeed imports these inside `deepspeed.initialize`, after every rank has started. torch only
+    where the config names such classes: checking any other config needs none."""
+    import torch
+
     package, _, class_name = name.rpartition(".")
     try:
         module = importlib.import_module(package) if package else None
@@ -476,7 +477,7 @@ def check_model(document: dict, world_size: int, hardware: Hardware | None) -> I
 
 def check_lora(document: dict, world_size: int, hardware: Hardware | None) -> Iterator[ConfigIssue]:
     """What model.lora's adapters combine with here. Its target modules are checked against the
-    model's own, built on the meta device, in `engine.prepare.check_lora_targets`."""
+    model's own, built on the meta device, in `engine.preflight.check_lora_targets`."""
     model, parallel = document["model"], document["parallel"]
     if model.get("lora") is None:
         if document["trainer"]["export_merge_lora"]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from models.checkpointing import Checkpointing
+from models.activation_checkpointing import Checkpointing
 
 Section = TypeVar("Section")
 

@@ -6,7 +6,7 @@ constructors, its CPU communication backend, its NVMe swapper): inside `deepspee
 there is a traceback per rank. The first GPU run of issue 40 died that way, at FusedAdam's build:
 the image's TORCH_CUDA_ARCH_LIST=9.0a, which torch reads, is one DeepSpeed's builder cannot parse.
 
-Here `prepare` lists the ops the resolved config needs, checks that each can be built on this node
+Here `describe_run` lists the ops the resolved config needs, checks that each can be built on this node
 (a compiler, ninja, an arch list DeepSpeed parses) and loads it, so a problem is one message naming
 the op, the cause and the fix, before anything starts. torch caches each build under its extensions
 folder (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions); the first rank of a node to take the
@@ -67,7 +67,7 @@ OPS: dict[str, _Op] = {
 
 
 class OpBuildError(ValueError):
-    """A DeepSpeed op this run needs cannot be built here (a ValueError: `prepare` reports it as it
+    """A DeepSpeed op this run needs cannot be built here (a ValueError: `describe_run` reports it as it
     reports every input problem, one message and exit code 2)."""
 
 
@@ -174,7 +174,7 @@ def preflight_ops(ops: list[str], capabilities: list[tuple[int, int]], announce:
 
 
 def prepare_ops(document: Mapping[str, Any], device_type: str, announce: Callable[[str], None] = print) -> list[str]:
-    """The ops a resolved config needs, checked and loaded in this process (what `prepare` calls
+    """The ops a resolved config needs, checked and loaded in this process (what `describe_run` calls
     before any process group); returns their names."""
     ops = ops_needed(document, device_type)
     if ops:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from models.attention import SHARD_POSITIONS, ULYSSES_SDPA
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

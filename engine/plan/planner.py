@@ -35,7 +35,7 @@ from engine.plan.states import (
     state_bytes,
 )
 from models import get_family
-from models.checkpointing import EVERY_BLOCK, NONE, SUGGESTED, Checkpointing
+from models.activation_checkpointing import EVERY_BLOCK, NONE, SUGGESTED, Checkpointing
 from models.costs import PlanShape
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -191,7 +191,7 @@ def nvme_bytes(plan: Plan) -> dict[str, int]:
 
 def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataSizes | None = None) -> Plan:
     """The plan of a loaded config, its vocabulary settled from the data as a launch settles it
-    (`engine.prepare.check_data`), at its world size, on `hardware` (by default this machine, with
+    (`engine.preflight.check_data`), at its world size, on `hardware` (by default this machine, with
     every rank on it: the hardware `load_config` resolved the config against), with the data's
     memory when `data` gives its sizes (`engine.plan.data.data_sizes`)."""
     if hardware is None:
@@ -200,7 +200,7 @@ def plan_run(config: EngineConfig, hardware: Hardware | None = None, data: DataS
     if family.uses_vocabulary and config.model.fields.get("vocab_size", AUTO) == AUTO:
         raise ValueError(
             'plan_run plans a config whose model.vocab_size "auto" is settled from the data, as a launch settles '
-            "it: pass the config engine.prepare.check_data returns"
+            "it: pass the config engine.preflight.check_data returns"
         )
     layout = parallel_layout(config)
     numels, parts, model = stage_numels(config, family)

@@ -15,7 +15,7 @@ from engine.plan.data import DataSizes
 from engine.plan.planner import Plan, nvme_bytes, plan_run, swap_paths, zero_settings
 from engine.plan.states import StateBytes
 from models import get_family
-from models.checkpointing import SUGGESTED
+from models.activation_checkpointing import SUGGESTED
 
 
 def table(plan: Plan) -> str:
@@ -83,7 +83,7 @@ def table(plan: Plan) -> str:
 
 def choices_line(plan: Plan) -> str:
     """The busiest rank's activations under each model.activation_checkpointing choice, least
-    recompute first (models/checkpointing.py)."""
+    recompute first (models/activation_checkpointing.py)."""
     told = []
     for choice, device, host in plan.choices:
         offloaded = f" + {format_bytes(host)} in host memory" if host else ""

@@ -18,7 +18,7 @@ from engine.backends.optim import parameter_groups
 from engine.config import EngineConfig
 from models import ModelFamily
 from models.lora import apply_lora
-from parallelism.tensor import TensorParallelPlan
+from parallelism.tensor_plan import TensorParallelPlan
 
 
 def build_on_meta(family: ModelFamily, section: Mapping[str, Any]) -> nn.Module:

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from data import make_train_loader
+from data.loader import make_train_loader
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data, settle_vocabulary
-from models.loss import IGNORE_INDEX
+from engine.preflight import load_data, settle_vocabulary
+from models.labels import IGNORE_INDEX
 from tests.support.compare import LOSS_TOLERANCE
 from tests.support.launch import read_run, run_single
 from tests.support.pretrained import write_tiny_llama

@@ -22,13 +22,13 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from data import make_train_loader
 from data.corpus import CHAT_SAMPLE
+from data.loader import make_train_loader
 from engine.backends.optim import build_optimizer
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data
-from models.loss import IGNORE_INDEX
+from engine.preflight import load_data
+from models.labels import IGNORE_INDEX
 from tests.support.launch import Run, launch, launch_accelerate
 from tests.support.memory import assert_plan_matches_measured
 from tests.support.pretrained import CHATML_TEMPLATE, write_tiny_llama

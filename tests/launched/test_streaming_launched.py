@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.prepare import RunError, prepare
+from engine.describe import describe_run
+from engine.preflight import RunError
 from tests.support.launch import launch, set_arguments
 from tests.support.streaming import offline  # noqa: F401 (a fixture: pytest finds it by name)
 
@@ -49,4 +50,4 @@ def test_a_streamed_run_resumed_from_a_checkpoint_continues_exactly(tmp_path: Pa
         assert torch.equal(final[name], expected[name]), name
     one_rank = {**run, "trainer.resume": str(checkpoint), "trainer.output_dir": str(tmp_path / "one")}
     with pytest.raises(RunError, match="data.streaming: checkpoint .* saved by 2 data-parallel ranks"):
-        prepare("configs/tiny_gpt.json", [argument.removeprefix("--set=") for argument in set_arguments(one_rank)])
+        describe_run("configs/tiny_gpt.json", [argument.removeprefix("--set=") for argument in set_arguments(one_rank)])

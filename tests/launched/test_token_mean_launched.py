@@ -22,8 +22,8 @@ from transformers import LlamaForCausalLM
 from data import global_batch_indices
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data
-from models.loss import IGNORE_INDEX
+from engine.preflight import load_data
+from models.labels import IGNORE_INDEX
 from tests.support.compare import max_loss_difference
 from tests.support.launch import ROOT, Run, _text, launch, launch_accelerate
 from tests.support.pretrained import ARCHITECTURE, write_tiny_llama

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan import Plan, plan_run
-from engine.prepare import check_data
+from engine.preflight import check_data
 from tests.support.launch import Run, _text
 
 EXACT_KEYS = {"parameter_bytes": "parameter", "gradient_bytes": "gradient", "optimizer_bytes": "optimizer"}

@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher: build a backend the way a run does (from `prepare`'s description)
+"""Run under the deepspeed launcher: build a backend the way a run does (from `describe_run`'s description)
 and record, on each rank, what the model held as `family.build` returned it and what DeepSpeed
 started from.
 
@@ -19,16 +19,17 @@ import torch
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from engine.backends.base import StepHooks
-from engine.backends.factory import backend_settings, build_backend
+from engine.backends.factory import build_backend
+from engine.describe import describe_run
 from engine.parallel.process_group import init_process_group
-from engine.prepare import prepare
+from engine.trainer import backend_settings
 from models import get_family
 from models.seeding import seed_everything
 
 
 def main(config_path: str, out: Path, overrides: list[str]) -> None:
     # Its own output directory: a checkpoint another run left in the config's would be resumed.
-    description = prepare(config_path, [*overrides, f"trainer.output_dir={out}"])
+    description = describe_run(config_path, [*overrides, f"trainer.output_dir={out}"])
     config = description.config
     family = get_family(config.model.family)
     built: dict[str, int] = {}

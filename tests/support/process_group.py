@@ -1,9 +1,12 @@
 """A process group of one in the test process, as engine.session starts it on every backend: for code
 that asks deepspeed.comm or torch.distributed for the rank (DeepSpeed's MonitorMaster, torch
-distributed checkpoint)."""
+distributed checkpoint). It ends through DeepSpeed's own teardown where DeepSpeed joined it: that drops
+the groups DeepSpeed cached (its world and data-parallel groups), which the next module's group of
+one would otherwise find stale ("Group ... is not registered")."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -22,4 +25,7 @@ def world_of_one() -> Iterator[None]:
         try:
             yield
         finally:
+            deepspeed_comm = sys.modules.get("deepspeed.comm")
+            if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+                deepspeed_comm.destroy_process_group()
             destroy_process_group()

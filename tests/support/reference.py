@@ -12,13 +12,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from data import make_eval_loader, make_train_loader
+from data.loader import make_eval_loader, make_train_loader
 from engine.backends.optim import build_optimizer, build_scheduler, parameter_groups
 from engine.config import EngineConfig, load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import load_data, settle_vocabulary
+from engine.preflight import load_data, settle_vocabulary
 from models import get_family
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
+from models.parallelize import ParallelRequest
 from models.seeding import seed_everything
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,10 @@ def reference_run(config_path: str, overrides: dict[str, object], world_size: in
     # Same per-rank thread count as the launched ranks, so CPU kernels reduce in the same order.
     torch.set_num_threads(trainer.threads_per_rank)
     seed_everything(trainer.seed)
-    model = family.build(config.model.fields)
+    # One process: the family's parallelize step checkpoints as the run asks and wraps nothing.
+    model = family.parallelize(
+        family.build(config.model.fields), ParallelRequest(checkpointing=config.model.activation_checkpointing)
+    )
     model.train()
     offload = (
         doc["zero_optimization"]["offload_optimizer"]["device"] != "none"

@@ -1,4 +1,4 @@
-"""model.activation_checkpointing's forms (models/checkpointing.py) compute what the model without
+"""model.activation_checkpointing's forms (models/activation_checkpointing.py) compute what the model without
 checkpointing computes: the same loss and gradients for GPT and Llama with every block, every second
 block, the attention alone, and the recomputed blocks' inputs offloaded to host memory; they recompute
 what they name and no parameter is renamed. The planner orders their activations as their recompute."""
@@ -14,11 +14,12 @@ from engine.config import ConfigError, load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan import plan_run
 from engine.plan.planner import Plan
-from engine.prepare import check_data
+from engine.preflight import check_data
 from models import get_family
-from models.checkpointing import SUGGESTED, Checkpointing
+from models.activation_checkpointing import SUGGESTED, Checkpointing
 from models.labels import IGNORE_INDEX
 from models.loss import compute_loss
+from models.parallelize import ParallelRequest
 from models.seeding import seed_everything
 
 VOCAB, LENGTH = 96, 32
@@ -45,7 +46,10 @@ FORMS = {
 
 def built(family: str, checkpointing: object = False) -> torch.nn.Module:
     seed_everything(0)
-    return get_family(family).build({**SECTIONS[family], "activation_checkpointing": checkpointing})
+    entry = get_family(family)
+    return entry.parallelize(
+        entry.build(SECTIONS[family]), ParallelRequest(checkpointing=Checkpointing.of(checkpointing))
+    )
 
 
 def token_batch() -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from data.corpus import CHAT_SAMPLE
 from data.loader import MicroBatchSampler
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import check_data
+from engine.preflight import check_data
 from tests.support.benchmarks import embedded_source  # noqa: F401 (a fixture: pytest finds it by name)
 
 RUN = run_overrides(steps=300, log_interval=25, eval_batches=1, threads=1)  # python -m bench's defaults

@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import build_datasets, make_train_loader
+from data import build_datasets
 from data.chat.sample import render_sample
 from data.corpus import CHAT_SAMPLE
 from data.kinds import KINDS
+from data.loader import make_train_loader
 from engine.config import ConfigError, load_config
 from engine.launch.hardware import detect_hardware
-from engine.prepare import RunError, load_data
-from models.loss import IGNORE_INDEX
+from engine.preflight import RunError, load_data
+from models.labels import IGNORE_INDEX
 from tests.support.launch import ROOT
 from tests.support.pretrained import CHATML_TEMPLATE, write_chat_tokenizer, write_tiny_llama
 
@@ -303,7 +304,7 @@ def test_a_tokenizer_without_a_template_is_refused_naming_it_and_both_remedies(p
 
 
 def test_bad_data_stops_prepare_before_any_process_group(tmp_path):
-    """What `prepare` (and `validate`) reads: the data error as one RunError, and the config's own
+    """What `describe_run` (and `validate`) reads: the data error as one RunError, and the config's own
     problems as ConfigError naming the field."""
     hardware = detect_hardware(local_world_size=1)
     path = write_jsonl(tmp_path / "bad.jsonl", [sample_records(1)[0], {"messages": "hello"}])

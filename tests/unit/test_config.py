@@ -18,7 +18,7 @@ from engine.config.reference import render_reference
 from engine.config.resolve import resolve
 from engine.config.validate import fill_defaults
 from engine.launch.hardware import Hardware
-from models.resnet import torchvision_available
+from models.resnet_spec import torchvision_available
 from tests.support.config import BASE, with_changes
 from tests.support.launch import ROOT
 

@@ -18,11 +18,10 @@ from data import (
     build_datasets,
     global_batch_indices,
     load_saved_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     micro_batch_indices,
 )
 from data.image import CIFAR_TEST_BATCH, CIFAR_TRAIN_BATCHES, load_image_datasets
+from data.loader import make_eval_loader, make_train_loader
 from data.sharding import epoch_permutation
 from data.synthetic import SyntheticImages, SyntheticTokens
 from data.text import PackedTokens, load_text_dataset
@@ -31,7 +30,7 @@ from data.transforms import normalize, pad_and_crop
 from engine.config import load_config
 from engine.launch.hardware import detect_hardware
 from models import get_family
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from tests.support.launch import ROOT
 from tests.support.text_reference import token_stream
 

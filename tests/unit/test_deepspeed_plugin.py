@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from engine.config import load_config
+from engine.describe import check_launch
 from engine.launch.deepspeed_plugin import DeepSpeedPluginSettings, deepspeed_plugin_problems, deepspeed_plugin_settings
 from engine.launch.detect import LAUNCHER_PID_ENV
 from engine.launch.hardware import detect_hardware
-from engine.prepare import RunError, check_launch
+from engine.preflight import RunError
 from tests.support.launcher import accelerate_launched
 
 ROOT = Path(__file__).resolve().parents[2]

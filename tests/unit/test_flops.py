@@ -8,9 +8,10 @@ from torch import nn
 
 from engine.launch.hardware import device_peak_flops
 from engine.observability.flops import achieved_flops_per_device, mfu
-from models import count_parameters, get_family
+from models import get_family
 from models.costs import forward_macs
 from models.gpt import flops_per_token as gpt_flops_per_token
+from models.module_state import count_parameters
 from models.resnet import flops_per_image as resnet_flops_per_image
 
 GPT2_124M_PARAMETERS = 124_439_808  # GPT-2 small as OpenAI released it, position table included

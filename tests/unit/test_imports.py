@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "models", "data", "parallelism")
-JOB_MODULES = ("engine.prepare", "engine.session", "engine.trainer", "engine.loop", "engine.cli", "engine.main")
+JOB_MODULES = ("engine.describe", "engine.session", "engine.trainer", "engine.loop", "engine.cli", "engine.main")
 
 
 def module_name(path: Path) -> str:

@@ -19,9 +19,8 @@ from engine.cli import main
 from engine.config import ConfigError, load_config
 from engine.launch.hardware import Hardware
 from engine.plan import plan_run
-from engine.prepare import check_data
-from models import get_family
-from models import gpt as gpt_module
+from engine.preflight import check_data
+from models import get_family, gpt_spec, llama_spec
 from models import llama as llama_module
 from tests.support.launch import ROOT
 from tests.support.pretrained import write_tiny_llama
@@ -281,7 +280,7 @@ def test_older_and_other_config_json_spellings_read_as_transformers_reads_them(s
     trains, equals AutoConfig's reading of the same file on every field `check_init_from` compares."""
     (tmp_path / "config.json").write_text(json.dumps(saved))
     section = {
-        **llama_module.pretrained_fields(saved),
+        **llama_spec.pretrained_fields(saved),
         "family": "llama",
         "init_from": str(tmp_path),
         "dropout": 0.0,
@@ -297,8 +296,8 @@ def test_a_gpt2_directory_decides_the_gpt_architecture(tmp_path: Path):
     )
     config = load_config(path, [], world_size=1, hardware=CPU)
     model, saved = config.document["model"], saved_config(tmp_path / "gpt2")
-    assert {key: model[key] for key in gpt_module.ARCHITECTURE_FIELDS} == {
-        key: saved[key] for key in gpt_module.ARCHITECTURE_FIELDS
+    assert {key: model[key] for key in gpt_spec.ARCHITECTURE_FIELDS} == {
+        key: saved[key] for key in gpt_spec.ARCHITECTURE_FIELDS
     }
     GPT.check_init_from(config.model.fields)
 
@@ -310,20 +309,20 @@ def test_what_a_config_json_may_leave_out_is_the_transformers_default(name: str,
     """A key left out of config.json reads as the config class's default: the defaults the engine
     assumes, and the values it always builds (which a checkpoint may therefore leave out), are
     transformers' own."""
-    default, assumed = config_class(num_attention_heads=4, hidden_size=64), llama_module.PRETRAINED_DEFAULTS[name]
+    default, assumed = config_class(num_attention_heads=4, hidden_size=64), llama_spec.PRETRAINED_DEFAULTS[name]
     assert default.rope_parameters["rope_theta"] == assumed["rope_theta"]
     assert default.num_key_value_heads == (assumed["num_key_value_heads"] or 4)
     for key in set(assumed) - {"rope_theta", "num_key_value_heads"}:
         assert getattr(default, key) == assumed[key], key
     section = {**LLAMA.presets["tiny"], "vocab_size": 64, "architecture": name}
     built = llama_module.CHECKPOINTS[name].config(section)
-    for key, value in llama_module.BUILT_AS[name].items():
+    for key, value in llama_spec.BUILT_AS[name].items():
         assert getattr(default, key) == getattr(built, key) == value, key
 
 
 def test_what_a_gpt2_config_json_may_leave_out_is_the_transformers_default():
     default, built = GPT2Config(), GPT.build({"preset": "tiny", "vocab_size": 64}).config
-    for key, value in gpt_module.BUILT_AS.items():
+    for key, value in gpt_spec.BUILT_AS.items():
         assert getattr(default, key) == getattr(built, key) == value, key
 
 

@@ -19,8 +19,11 @@ from torch import nn
 from engine.config import ConfigError, load_config
 from engine.launch.hardware import detect_hardware
 from engine.plan.shapes import sharded_parameters
-from models import count_parameters, get_family
+from models import get_family
+from models.activation_checkpointing import Checkpointing
 from models.costs import FLOPS_PER_MAC, TRAINING_PASSES, forward_macs
+from models.module_state import count_parameters
+from models.parallelize import ParallelRequest
 from parallelism.tensor import Shard, shard_tensor
 from tests.unit.test_parallel_forms import run_layers
 
@@ -39,7 +42,8 @@ ARCHITECTURE_IDS = ["llama", "qwen2", "mistral", "mistral-window"]
 
 def tiny(**overrides) -> nn.Module:
     torch.manual_seed(0)
-    return LLAMA.build({**TINY, **overrides})
+    checkpointing = Checkpointing.of(overrides.get("activation_checkpointing"))
+    return LLAMA.parallelize(LLAMA.build({**TINY, **overrides}), ParallelRequest(checkpointing=checkpointing))
 
 
 def test_tiny_builds_a_grouped_query_untied_llama():
@@ -318,7 +322,7 @@ def test_flops_per_token_match_a_counted_forward(tied: bool, arch: dict):
 
 
 def test_plan_activations_shrink_with_tensor_parallelism_and_checkpointing():
-    from models.checkpointing import EVERY_BLOCK, NONE
+    from models.activation_checkpointing import EVERY_BLOCK, NONE
     from models.costs import PlanShape
 
     section = {**TINY, "vocab_size": 64}

@@ -13,7 +13,7 @@ import pytest
 from engine.config import load_config
 from engine.launch.hardware import Hardware
 from engine.plan import data_sizes, plan_run, verdict
-from engine.prepare import load_data
+from engine.preflight import load_data
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS_PER_NODE = 8

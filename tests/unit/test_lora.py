@@ -25,7 +25,7 @@ from engine.launch.hardware import Hardware, detect_hardware
 from engine.plan import plan_run, table, verdict
 from engine.plan.planner import optimizer_kind, zero_settings
 from engine.plan.states import element_bytes, state_bytes
-from engine.prepare import check_lora_targets
+from engine.preflight import check_lora_targets
 from models import get_family
 from models.lora import PEFT_PREFIX, apply_lora, export_adapter, lora_config, merged_model
 from tests.support.pretrained import write_tiny_llama

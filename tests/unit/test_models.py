@@ -17,9 +17,12 @@ from transformers import AutoModelForImageClassification, GPT2LMHeadModel, ResNe
 
 from data import DataBundle, build_datasets
 from engine.checkpoints.export import export_model
-from models import FAMILIES, ModelFamily, count_parameters, get_family
+from models import FAMILIES, ModelFamily, get_family
+from models.activation_checkpointing import Checkpointing
 from models.gpt import gpt2_config
-from models.resnet import torchvision_available
+from models.module_state import count_parameters
+from models.parallelize import ParallelRequest
+from models.resnet_spec import torchvision_available
 
 GPT = get_family("gpt")
 RESNET = get_family("resnet")
@@ -39,7 +42,8 @@ class CallOnly:
 
 def seeded_build(family: ModelFamily, section: dict, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return family.build(section)
+    checkpointing = Checkpointing.of(section.get("activation_checkpointing"))
+    return family.parallelize(family.build(section), ParallelRequest(checkpointing=checkpointing))
 
 
 def token_batch(vocab_size: int = 65, batch: int = 2, seq_len: int = 16) -> dict[str, torch.Tensor]:

@@ -22,11 +22,12 @@ import torch
 from engine.checkpoints.nvme import OFFLOADED, _with_swapped_masters, resume_problem
 from engine.checkpoints.store import CheckpointRef, step_tag
 from engine.config import EngineConfig
+from engine.describe import check_nvme_resume
 from engine.launch import nvme
 from engine.launch.nvme import nvme_problems
 from engine.launch.ops import op_problems
 from engine.plan import format_bytes
-from engine.prepare import check_nvme, check_nvme_resume
+from engine.preflight import check_nvme
 from tests.unit.test_config import CPU
 from tests.unit.test_deepspeed_spellings import load, tiny_gpt
 from tests.unit.test_nvme_config import ZERO3_NVME
@@ -53,7 +54,7 @@ def nvme_config(
         zero[section]["nvme_path"] = str(swap or directory / "swap")
     zero["offload_param"]["buffer_size"] = buffer_size
     document = tiny_gpt(zero_optimization=zero, **sections)
-    # The vocabulary `prepare` settles from the tokenizer before it checks the folders.
+    # The vocabulary `describe_run` settles from the tokenizer before it checks the folders.
     document["model"] = {**document["model"], "n_embd": n_embd, "vocab_size": 256}
     return load(directory, document, world_size=2, hardware=CPU)
 

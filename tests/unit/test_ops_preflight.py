@@ -15,6 +15,7 @@ import torch
 from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
 from engine.config import ConfigError, load_config
+from engine.describe import describe_run
 from engine.launch.hardware import Hardware
 from engine.launch.ops import (
     OpBuildError,
@@ -26,7 +27,7 @@ from engine.launch.ops import (
     preflight_ops,
     toolkit_causes,
 )
-from engine.prepare import RunError, prepare
+from engine.preflight import RunError
 from tests.support.launch import ROOT
 
 CPU = Hardware("cpu", bf16_supported=True, fp16_supported=False, cpu_count=2, local_world_size=2)
@@ -183,7 +184,7 @@ def test_prepare_refuses_a_run_whose_op_cannot_be_built_before_any_process_group
     ]
     without_compilers(monkeypatch, tmp_path)
     with pytest.raises(RunError, match=r"DeepSpeed op cpu_adam cannot be built on this node: no C\+\+ compiler"):
-        prepare(str(ROOT / "configs" / "tiny_gpt.json"), overrides)
+        describe_run(str(ROOT / "configs" / "tiny_gpt.json"), overrides)
 
 
 def test_no_cuda_compiler_is_named_with_its_fix(tmp_path: Path):

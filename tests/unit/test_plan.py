@@ -24,7 +24,7 @@ from engine.config import load_config
 from engine.launch.hardware import Hardware, detect_hardware
 from engine.plan import DataSizes, data_sizes, format_bytes, parse_bytes, plan_run, verdict
 from engine.plan.data import data_memory
-from engine.prepare import check_data, load_data, settle_vocabulary
+from engine.preflight import check_data, load_data, settle_vocabulary
 from models import get_family
 from tests.support.plan import GPT2, HIDDEN, LAYERS, POSITIONS, VOCAB
 

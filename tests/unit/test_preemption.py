@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from engine.config.stop_settings import parse_duration, signal_number
+from engine.describe import describe_run
 from engine.failures.preemption import StopRequests, estimated_save_s
 from engine.launch.signals import EXIT_PREEMPTED
-from engine.prepare import RunError, prepare
+from engine.preflight import RunError
 from tests.support.config import with_changes
 from tests.support.launch import ROOT
 from tests.unit.test_config import issues_of
@@ -54,7 +55,7 @@ def test_a_wall_time_shorter_than_one_save_is_refused_before_any_process_group(
     path.write_text(json.dumps(document))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(RunError, match=r"trainer.max_wall_time '2s' is shorter than one save of this model"):
-        prepare(str(path), [])
+        describe_run(str(path), [])
 
 
 def test_the_wall_clock_rule_leaves_room_for_a_save_and_a_step():

@@ -1,4 +1,4 @@
-"""`prepare` settles the run once: one frozen description holding what the trainer, the backends
+"""`describe_run` settles the run once: one frozen description holding what the trainer, the backends
 and the checkpoints read (the batch, the layout, the vocabulary, the stop settings, the DeepSpeed
 settings, the manifest), from one loading of the config; the planner settles nothing again."""
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-import engine.prepare
+import engine.describe
 from engine.checkpoints.reshape import CheckpointManifest
 from engine.checkpoints.store import CheckpointRef
 from engine.config import load_config
 from engine.config.batch import BatchTriple
+from engine.describe import describe_run, keep_configured_stage
 from engine.launch.hardware import detect_hardware
 from engine.plan import plan_run
-from engine.prepare import check_data, keep_configured_stage, prepare
+from engine.preflight import check_data
 from tests.support.launch import ROOT
 
 CONFIG = str(ROOT / "configs" / "tiny_gpt.json")
@@ -37,7 +38,7 @@ def test_prepare_loads_the_config_once_and_describes_the_run(
         loads.append(args)
         return load_config(*args, **kwargs)
 
-    monkeypatch.setattr(engine.prepare, "load_config", counted)
+    monkeypatch.setattr(engine.describe, "load_config", counted)
     overrides = [
         f"trainer.output_dir={tmp_path}",
         "trainer.save_on_signal=true",
@@ -47,7 +48,7 @@ def test_prepare_loads_the_config_once_and_describes_the_run(
         "gradient_accumulation_steps=3",
         "zero_optimization.stage=2",
     ]
-    description = prepare(CONFIG, overrides)
+    description = describe_run(CONFIG, overrides)
     assert len(loads) == 1
     config = description.config
     assert description.batch == BatchTriple(6, 2, 3) == config.batch
@@ -83,7 +84,7 @@ def test_the_configured_stage_comes_from_the_same_loading(one_rank: None, tmp_pa
 
 def test_the_planner_takes_the_vocabulary_the_data_settled():
     config = load_config(CONFIG, [], world_size=1, hardware=detect_hardware(local_world_size=1))
-    with pytest.raises(ValueError, match="engine.prepare.check_data"):
+    with pytest.raises(ValueError, match="engine.preflight.check_data"):
         plan_run(config)
     settled, bundle = check_data(config)
     assert plan_run(settled).config.model.vocab_size == bundle.vocab_size

@@ -9,7 +9,7 @@ import torch
 
 from engine.parallel.sequence import SequenceShards
 from models.attention import SHARD_POSITIONS, model_inputs
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 
 
 def shards(size: int) -> list[SequenceShards]:

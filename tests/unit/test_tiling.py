@@ -15,7 +15,8 @@ import torch
 import models.tile_sizes
 from models import get_family
 from models.decoder_pipeline import pipeline_eval_sums
-from models.loss import IGNORE_INDEX, compute_loss, eval_sums
+from models.labels import IGNORE_INDEX
+from models.loss import compute_loss, eval_sums
 from models.seeding import seed_everything
 from models.tile_sizes import tiled_loss_pieces, tiled_mlp_pieces
 from parallelism.tensor import apply_tensor_parallel

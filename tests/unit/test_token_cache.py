@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import make_train_loader
 from data.corpus import DEFAULT_CORPUS
+from data.loader import make_train_loader
 from data.sharding import LazyPermutation, epoch_permutation
 from data.text import PackedTokens, load_text_dataset
 from data.tokenizers import load_tokenizer

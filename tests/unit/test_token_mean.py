@@ -17,7 +17,7 @@ from engine.config import ConfigError
 from engine.config.load import check_document
 from engine.launch.hardware import Hardware
 from models import get_family
-from models.loss import IGNORE_INDEX
+from models.labels import IGNORE_INDEX
 from tests.support.launch import ROOT
 
 LLAMA = get_family("llama")

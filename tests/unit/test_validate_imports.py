@@ -2,11 +2,13 @@
 needs and nothing a run needs: no datasets library, no transformers, no torch.distributed
 checkpointing or tensors; DeepSpeed only for its check of the ops the run will build on this
 machine, which --no-hardware-check skips and this boot's machine cache answers once warm
-(engine/launch/machine_cache.py)."""
+(engine/launch/machine_cache.py). With the cache warm it imports no torch either: it answers in less
+time than `import torch` takes."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +54,33 @@ def test_a_warm_machine_cache_spares_validate_deepspeed(tmp_path: Path, monkeypa
     assert (tmp_path / "cache" / "dsengine" / "machine.json").is_file()
     modules = validate_imports(tmp_path, "configs/zero2.json")
     assert sorted(name for name in modules if name.split(".")[0] == "deepspeed") == []
+
+
+# Shipped configs of both decoder families on text and chat data, under DeepSpeed and accelerate.
+TORCH_FREE = ("configs/zero2.json", "configs/ddp.json", "configs/llama_tiny.json", "configs/sft_llama_tiny.json")
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a boot whose machine cache is warm: one validate has stored torch's answers."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache"))}
+    subprocess.run([sys.executable, "-m", "engine", "validate", TORCH_FREE[0]], cwd=ROOT, env=env, check=True)
+    return env
+
+
+@pytest.mark.parametrize("config", TORCH_FREE)
+def test_a_warm_validate_imports_no_torch(config: str, warm_cache: dict[str, str]):
+    """`validate` of a config that asks for no LoRA and no NVMe (the checks that build the model on
+    the meta device) imports no torch once the machine cache is warm: its import alone takes longer
+    than the whole check should, and a launch's pre-flight pays for every import here."""
+    child = (
+        "import sys\n"
+        "from engine.cli import main\n"
+        f"code = main(['validate', {config!r}])\n"
+        "print(code, sorted(name for name in sys.modules if name.split('.')[0] == 'torch'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=warm_cache, check=True, capture_output=True)
+    assert done.stdout.decode().splitlines()[-1] == "0 []"  # after the config's summary and the data's notes
 
 
 def _forged(cache: Path, change: dict) -> Hardware:

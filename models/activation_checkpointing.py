@@ -1,12 +1,15 @@
 """model.activation_checkpointing: which activations a model recomputes in the backward pass instead
-of keeping them, and where it keeps those it still must. The families apply it (here for the decoders,
-models/resnet.py), the planner counts it (engine/plan/) and `plan --suggest` tries it in `SUGGESTED`
-order.
+of keeping them, and where it keeps those it still must. Each family's `parallelize` step applies it
+first (models/parallelize.py; the function here for the decoders, models/resnet.py's for ResNet), the
+planner counts it (engine/plan/) and `plan --suggest` tries it in `SUGGESTED` order.
 
 The forms follow Megatron's and torchtitan's: whole blocks (every block, or every k-th, the others
 keeping their activations), the attention of each block only (Megatron's selective recompute), and
 the recomputed blocks' inputs offloaded to host memory (DeepSpeed's `cpu_checkpointing`, torch's
 `save_on_cpu`, transformers' `offload`).
+
+torch is imported by the functions that apply a choice: the config's checks read the choice
+(`Checkpointing`) and must not pay for importing it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ import functools
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.autograd.graph import save_on_cpu
-from torch.utils.checkpoint import checkpoint
+if TYPE_CHECKING:
+    import torch
 
 # The value model.activation_checkpointing takes: true, false, "attention" or {"every": k, "offload": b}.
 ATTENTION = "attention"
@@ -101,6 +103,9 @@ def checkpoint_function(offload: bool) -> Callable[..., Any]:
     With `offload`, the inputs the checkpoint saves for its recomputation are packed into host memory
     by torch's `save_on_cpu`; within the checkpoint nothing else is saved. pin_memory asks for pinned
     buffers only where CUDA is (save_on_cpu's device check); on a CPU-only machine the copies are plain."""
+    from torch.autograd.graph import save_on_cpu
+    from torch.utils.checkpoint import checkpoint
+
     plain = functools.partial(checkpoint, use_reentrant=False)
     if not offload:
         return plain
@@ -121,6 +126,9 @@ def checkpoint_forward(module: torch.nn.Module) -> None:
 
 
 def _checkpointed_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
     forward = type(module).forward
     # Without a backward pass to come (evaluation, no_grad) there is nothing to recompute.
     if module.training and torch.is_grad_enabled():
