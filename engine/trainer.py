@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
-from data.loader import make_eval_loader, make_train_loader
-from data.streaming import StreamedWindows, stream_micro_batches
+from data.loader import make_eval_loader
+from data.train_feed import BatchShape, SampledFeed, StreamedFeed, train_feed
 from engine.backends.base import Backend, BackendSettings, Batch, StepHooks
 from engine.backends.factory import build_backend
 from engine.backends.prefetch import DevicePrefetcher
@@ -93,8 +93,8 @@ class Trainer:
         self.checkpoints.convert_source(self.description.batch.train_batch_size)
         settings = backend_settings(self.description, self.family, self.device, self.hooks)
         backend, dp_rank = build_backend(settings)
-        stream = self.data.train.windows(dp_rank, config.dp_size) if self.data.streamed else None
-        start_step = self.checkpoints.resume(backend, stream)
+        feed = self.train_feed(dp_rank)
+        start_step = self.checkpoints.resume(backend, feed.position)
         stops = self.stop_requests()
         loop_settings = self.loop_settings(stops)
         logger = MetricsLogger(
@@ -109,7 +109,8 @@ class Trainer:
         end = train(
             backend,
             self.family,
-            self.train_batches(dp_rank, start_step, stream, backend.input_dtype),
+            # The sampler's batches each on their way to the device while the step before trains.
+            feed.micro_batches(start_step, lambda batches: DevicePrefetcher(batches, self.device, backend.input_dtype)),
             lambda: self.eval_batches(dp_rank),
             loop_settings,
             logger,
@@ -165,28 +166,19 @@ class Trainer:
             stops=stops,
         )
 
-    def train_batches(
-        self, dp_rank: int, start_step: int, stream: StreamedWindows | None, dtype: torch.dtype
-    ) -> Iterator[Batch]:
-        """This rank's micro-batches from `start_step` on: the sampler's arithmetic, each on its way to
-        the device while the step before trains (`DevicePrefetcher`); or a stream's position, which
-        counts what was taken from the stream, so a stream's batches move only when taken."""
+    def train_feed(self, dp_rank: int) -> SampledFeed | StreamedFeed:
+        """This rank's training data as its kind reads it (data/train_feed.py)."""
         config, batch = self.config, self.description.batch
-        micro_batch = batch.micro_batch_size
-        if stream is not None:
-            return stream_micro_batches(stream, micro_batch)
-        loader = make_train_loader(
-            self.data.train,
-            micro_batch_size=micro_batch,
+        shape = BatchShape(
+            micro_batch_size=batch.micro_batch_size,
             grad_accum=batch.gradient_accumulation_steps,
             dp_rank=dp_rank,
             dp_size=config.dp_size,
             seed=config.trainer.seed,
-            start_step=start_step,
             num_workers=config.data.num_workers,
             pin_memory=config.data.pin_memory,
         )
-        return DevicePrefetcher(iter(loader), self.device, dtype)
+        return train_feed(self.data, shape)
 
     def eval_batches(self, dp_rank: int) -> Iterable[Batch]:
         """This rank's validation batches, afresh for each evaluation."""
