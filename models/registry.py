@@ -14,6 +14,7 @@ it to `FAMILIES`; nothing outside models/ names a family (tests/unit/test_regist
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,7 +150,13 @@ class Deferred:
     name: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+        return _imported(self.module, self.name)(*args, **kwargs)
+
+
+@functools.cache
+def _imported(module: str, name: str) -> Callable[..., Any]:
+    """Looked up once: `compute_loss` is called for every micro-batch."""
+    return getattr(importlib.import_module(module), name)
 
 
 def _family(name: str, spec: ModuleType, model_module: str) -> ModelFamily:
